@@ -1,0 +1,278 @@
+"""The actor: a Megatron-Core policy with its DDP wrapper, optimizer and LR schedule.
+
+It owns two operations on ragged batches of sequences (prompt + response token ids):
+
+* `logprobs(seqs, response_starts)` - per-token log-probs (and entropy) of every response, no
+  grad: the "old" and "reference" log-probs of an RL step;
+* `train_mini_batch(seqs, response_starts, loss_fn)` - forward/backward over token-budget
+  micro-batches and one optimizer step; `loss_fn` (from `megatron_rl.algo`) turns the current
+  log-probs of a micro-batch into a loss already normalized by the *global* normalizer of the
+  mini-batch (e.g. the number of response tokens over all micro-batches and DP ranks), so the
+  result does not depend on how the mini-batch was split.
+
+Micro-batches are right-padded: with causal attention a valid token never attends to the
+padding after it, so no mask is needed and the result equals the unpadded forward. Both
+operations run through Megatron's `get_forward_backward_func`, so pipeline parallelism works
+unchanged (log-probs then exist on the last pipeline stage only).
+
+Megatron's schedule divides each micro-batch loss by the number of micro-batches and its DDP
+averages gradients over data-parallel ranks; `train_mini_batch` multiplies the loss by both
+factors so the gradient is that of the globally normalized loss.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from megatron_rl.actor.logprobs import vocab_parallel_logprobs
+from megatron_rl.config import OptimizerConfig
+from megatron_rl.parallel import ParallelState
+
+# loss_fn(sample_indices, logprobs per sample, entropy per sample) -> (loss, metrics)
+LossFn = Callable[[list[int], list[torch.Tensor], list[torch.Tensor]], tuple[torch.Tensor, dict]]
+
+
+def plan_micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """Group sample indices into right-padded micro-batches of at most `max_tokens` padded tokens.
+
+    Sorting by length keeps similar lengths together so padding stays small. A sample longer
+    than the budget gets a micro-batch of its own (the budget is a target, not a hard cap, here;
+    the packed path in `megatron_rl.ops.plan_microbatches` enforces it strictly).
+    """
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    batches, cur, cur_max = [], [], 0
+    for i in order:
+        new_max = max(cur_max, lengths[i])
+        if cur and new_max * (len(cur) + 1) > max_tokens:
+            batches.append(cur)
+            cur, new_max = [], lengths[i]
+        cur.append(i)
+        cur_max = new_max
+    if cur:
+        batches.append(cur)
+    return batches
+
+
+@dataclass
+class _MicroBatch:
+    indices: list[int]
+    tokens: torch.Tensor  # [b, s] right-padded
+    lengths: list[int]
+    starts: list[int]
+
+
+class Policy:
+    """Megatron policy model + optimizer. Build it with `build_policy`.
+
+    Example:
+        ps = init_parallel(cfg.parallel)
+        policy = build_policy(hf_config, ps, cfg.optimizer, total_optimizer_steps=100)
+        old_lp, _ = policy.logprobs(seqs, starts)
+        metrics = policy.train_mini_batch(seqs, starts, loss_fn)
+    """
+
+    def __init__(self, model, tcfg, ps: ParallelState, optimizer=None, scheduler=None):
+        self.model = model  # DDP-wrapped GPTModel (or the bare module when frozen)
+        self.tcfg = tcfg
+        self.ps = ps
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.micro_batch_tokens = 8192
+        self.pad_id = 0
+
+    @property
+    def module(self):
+        """The bare GPTModel (shared with the built-in rollout engine: same weights, no copy)."""
+        return getattr(self.model, "module", self.model)
+
+    # ----------------------------------------------------------------------------------------
+    def _micro_batches(self, seqs: list[torch.Tensor], starts: list[int]) -> list[_MicroBatch]:
+        lengths = [int(s.numel()) for s in seqs]
+        out = []
+        for idx in plan_micro_batches(lengths, self.micro_batch_tokens):
+            width = max(lengths[i] for i in idx)
+            toks = torch.full((len(idx), width), self.pad_id, dtype=torch.long)
+            for row, i in enumerate(idx):
+                toks[row, : lengths[i]] = seqs[i]
+            out.append(
+                _MicroBatch(idx, toks.to(self.ps.device), [lengths[i] for i in idx],
+                            [starts[i] for i in idx])
+            )
+        return out
+
+    def _response_logprobs(self, logits, mb: _MicroBatch, temperature: float, with_entropy: bool):
+        """logits [b, s, V/tp] -> per-sample response log-probs (and entropy)."""
+        rows, targets, spans = [], [], []
+        for r, (n, p) in enumerate(zip(mb.lengths, mb.starts)):
+            rows.append(logits[r, p - 1 : n - 1])
+            targets.append(mb.tokens[r, p:n])
+            spans.append(n - p)
+        lp, ent = vocab_parallel_logprobs(
+            torch.cat(rows), torch.cat(targets), temperature=temperature,
+            tp_group=self.ps.pgs.tp if self.ps.tp_size > 1 else None, with_entropy=with_entropy,
+        )
+        lps = list(lp.split(spans))
+        ents = list(ent.split(spans)) if ent is not None else [None] * len(spans)
+        return lps, ents
+
+    def _run(self, mbs: list[_MicroBatch], forward_only: bool, loss_closure):
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        it = iter(mbs)
+
+        def forward_step(data_iterator, model):
+            mb = next(data_iterator)
+            b, s = mb.tokens.shape
+            pos = torch.arange(s, device=mb.tokens.device).unsqueeze(0).expand(b, s)
+            out = model(mb.tokens, pos, None)
+            return out, lambda logits: loss_closure(mb, logits)
+
+        return get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=it,
+            model=[self.model],
+            num_microbatches=len(mbs),
+            seq_length=max(int(m.tokens.shape[1]) for m in mbs),
+            micro_batch_size=max(int(m.tokens.shape[0]) for m in mbs),
+            forward_only=forward_only,
+        )
+
+    # ----------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def logprobs(
+        self, seqs: list[torch.Tensor], starts: list[int], temperature: float = 1.0,
+        with_entropy: bool = False,
+    ) -> tuple[list[torch.Tensor] | None, list[torch.Tensor] | None]:
+        """Response log-probs per sample ([len_i - start_i] fp32, on CPU). None off the last PP stage."""
+        self.model.eval()
+        mbs = self._micro_batches(seqs, starts)
+        lps: list = [None] * len(seqs)
+        ents: list = [None] * len(seqs)
+
+        def closure(mb, logits):
+            lp, ent = self._response_logprobs(logits, mb, temperature, with_entropy)
+            for i, a, h in zip(mb.indices, lp, ent):
+                lps[i] = a.cpu()
+                ents[i] = h.cpu() if h is not None else None
+            return logits.new_zeros(()), {}
+
+        self._run(mbs, forward_only=True, loss_closure=closure)
+        if not self.ps.is_last_stage:
+            return None, None
+        return lps, (ents if with_entropy else None)
+
+    def train_mini_batch(
+        self, seqs: list[torch.Tensor], starts: list[int], loss_fn: LossFn,
+        temperature: float = 1.0, with_entropy: bool = False,
+    ) -> dict:
+        """One optimizer step over a mini-batch. Returns averaged metrics (+ grad_norm, lr)."""
+        assert self.optimizer is not None, "frozen policy (no optimizer) cannot train"
+        self.model.train()
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        mbs = self._micro_batches(seqs, starts)
+        scale = len(mbs) * self.ps.dp_size  # undo Megatron's 1/num_microbatches and DP average
+
+        def closure(mb, logits):
+            lp, ent = self._response_logprobs(logits, mb, temperature, with_entropy)
+            loss, metrics = loss_fn(mb.indices, lp, ent)
+            metrics = {k: torch.as_tensor(v, dtype=torch.float32).detach() for k, v in metrics.items()}
+            return loss * scale, metrics
+
+        outputs = self._run(mbs, forward_only=False, loss_closure=closure)
+        update_ok, grad_norm, _ = self.optimizer.step()
+        if self.scheduler is not None and update_ok:
+            self.scheduler.step(increment=1)
+        metrics: dict[str, float] = {}
+        for out in outputs or []:  # sum over micro-batches (loss_fn reports additive parts)
+            for k, v in out.items():
+                metrics[k] = metrics.get(k, 0.0) + float(v)
+        metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else math.nan
+        metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
+        metrics["update_skipped"] = float(not update_ok)
+        return metrics
+
+
+def build_optimizer(model, tcfg, ocfg: OptimizerConfig, total_optimizer_steps: int, ps):
+    """Megatron's optimizer (distributed optimizer on request) and its LR/WD scheduler."""
+    from megatron.core.optimizer import OptimizerConfig as MOptimizerConfig
+    from megatron.core.optimizer import get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    bf16 = tcfg.params_dtype == torch.bfloat16
+    mcfg = MOptimizerConfig(
+        optimizer="adam",
+        lr=ocfg.lr,
+        min_lr=ocfg.min_lr,
+        weight_decay=ocfg.weight_decay,
+        adam_beta1=ocfg.adam_beta1,
+        adam_beta2=ocfg.adam_beta2,
+        adam_eps=ocfg.adam_eps,
+        clip_grad=ocfg.clip_grad,
+        bf16=bf16,
+        params_dtype=tcfg.params_dtype,
+        use_distributed_optimizer=ocfg.use_distributed_optimizer,
+    )
+    optimizer = get_megatron_optimizer(mcfg, [model], pg_collection=ps.pgs,
+                                       use_gloo_process_groups=ps.device.type == "cuda")
+    total = max(1, total_optimizer_steps)
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if ocfg.lr_warmup_steps > 0 else ocfg.lr,
+        max_lr=ocfg.lr,
+        min_lr=ocfg.min_lr,
+        lr_warmup_steps=ocfg.lr_warmup_steps,
+        lr_decay_steps=max(total, ocfg.lr_warmup_steps + 1),
+        lr_decay_style=ocfg.lr_decay_style,
+        start_wd=ocfg.weight_decay,
+        end_wd=ocfg.weight_decay,
+        wd_incr_steps=total,
+        wd_incr_style="constant",
+    )
+    return optimizer, scheduler
+
+
+def wrap_ddp(module, tcfg, ps: ParallelState, use_distributed_optimizer: bool):
+    """Megatron DDP around a GPTModel, with the config hooks its schedule expects."""
+    from functools import partial
+
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+
+    ddp = DistributedDataParallel(
+        config=tcfg,
+        ddp_config=DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=False,
+            use_distributed_optimizer=use_distributed_optimizer,
+        ),
+        module=module,
+        pg_collection=ps.pgs,
+    )
+    tcfg.finalize_model_grads_func = partial(finalize_model_grads, pg_collection=ps.pgs)
+    tcfg.no_sync_func = ddp.no_sync
+    return ddp
+
+
+def build_policy(
+    module, tcfg, ps: ParallelState, ocfg: OptimizerConfig | None, total_optimizer_steps: int = 1,
+    micro_batch_tokens: int = 8192, pad_id: int = 0,
+) -> Policy:
+    """Wrap a built GPTModel into a trainable Policy (ocfg=None: a frozen reference policy)."""
+    tcfg.variable_seq_lengths = True  # micro-batches differ in shape (pipeline p2p needs this)
+    if ocfg is None:
+        for p in module.parameters():
+            p.requires_grad_(False)
+        policy = Policy(module, tcfg, ps)
+    else:
+        ddp = wrap_ddp(module, tcfg, ps, ocfg.use_distributed_optimizer)
+        optimizer, scheduler = build_optimizer(ddp, tcfg, ocfg, total_optimizer_steps, ps)
+        tcfg.grad_scale_func = optimizer.scale_loss
+        policy = Policy(ddp, tcfg, ps, optimizer, scheduler)
+    policy.micro_batch_tokens = micro_batch_tokens
+    policy.pad_id = pad_id
+    return policy
