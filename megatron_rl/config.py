@@ -205,6 +205,41 @@ class RewardConfig:
     overlong_penalty_factor: float = 1.0
     """DAPO overlong shaping factor lambda."""
 
+    num_workers: int = 8
+    """Threads scoring responses in parallel (math-verify is run off the main thread)."""
+
+    diversity: str = "none"
+    """DARLING diversity fusion (ALGORITHMS.md A.5): none | multiplicative (r = q * Div', the
+    DARLING rule) | additive (r = q + diversity_weight * Div')."""
+
+    diversity_equivalence: str = "ngram_jaccard"
+    """Pairwise equivalence predicate partitioning a group: text (normalized equality) |
+    ngram_jaccard (DARLING's short-answer rule, else word n-gram Jaccard >= threshold) |
+    `package.module:function` (a batched predicate, see megatron_rl.rewards.diversity)."""
+
+    diversity_threshold: float = 0.5
+    """Jaccard similarity at or above which two responses are the same class."""
+
+    diversity_ngram: int = 2
+    """Word n-gram size of the ngram_jaccard predicate."""
+
+    diversity_floor: float = 0.1
+    """Lower bound of the diversity score Div' (DARLING uses 0.1)."""
+
+    diversity_weight: float = 1.0
+    """Weight of Div' in the additive fusion (ignored by multiplicative)."""
+
+    def __post_init__(self):
+        _check(
+            self.diversity in ("none", "multiplicative", "additive"),
+            "reward.diversity",
+            self.diversity,
+        )
+        _check(self.num_workers >= 1, "reward.num_workers", "must be >= 1")
+        _check(self.overlong_buffer_len >= 0, "reward.overlong_buffer_len", "must be >= 0")
+        _check(0 <= self.diversity_threshold <= 1, "reward.diversity_threshold", "must be in [0, 1]")
+        _check(self.diversity_ngram >= 1, "reward.diversity_ngram", "must be >= 1")
+
 
 # --------------------------------------------------------------------------------------------
 # Algorithm

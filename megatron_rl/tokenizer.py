@@ -59,9 +59,7 @@ class CharTokenizer:
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         ids = [int(i) for i in ids]
         n_special = len(SPECIAL_TOKENS)
-        return "".join(
-            self._itos[i] for i in ids if not (skip_special_tokens and i < n_special)
-        )
+        return "".join(self._itos[i] for i in ids if not (skip_special_tokens and i < n_special))
 
     def apply_chat_template(
         self,
@@ -81,7 +79,9 @@ class CharTokenizer:
     def save_pretrained(self, folder: str) -> None:
         os.makedirs(folder, exist_ok=True)
         with open(os.path.join(folder, CHAR_TOKENIZER_FILE), "w") as f:
-            json.dump({"type": "CharTokenizer", "specials": list(SPECIAL_TOKENS), "chars": self.chars}, f)
+            json.dump(
+                {"type": "CharTokenizer", "specials": list(SPECIAL_TOKENS), "chars": self.chars}, f
+            )
 
     @classmethod
     def from_file(cls, path: str) -> CharTokenizer:

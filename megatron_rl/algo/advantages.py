@@ -22,7 +22,9 @@ def _group_stats(rewards_N: torch.Tensor, group_ids_N: torch.Tensor):
     """Per-sample group count, group mean and a mask of samples whose group has signal."""
     r = rewards_N.double()  # sums in float64 so equal-reward groups center to exactly 0
     num_groups = int(group_ids_N.max()) + 1 if len(group_ids_N) else 0
-    count_g = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, group_ids_N, torch.ones_like(r))
+    count_g = torch.zeros(num_groups, dtype=torch.float64).index_add_(
+        0, group_ids_N, torch.ones_like(r)
+    )
     sum_g = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, group_ids_N, r)
     max_g = torch.full((num_groups,), -torch.inf, dtype=torch.float64).scatter_reduce_(
         0, group_ids_N, r, "amax"
@@ -37,18 +39,24 @@ def _group_stats(rewards_N: torch.Tensor, group_ids_N: torch.Tensor):
 
 
 def grpo_advantages(
-    rewards_N: torch.Tensor, group_ids_N: torch.Tensor, *, norm_by_std: bool = True, eps: float = 1e-6
+    rewards_N: torch.Tensor,
+    group_ids_N: torch.Tensor,
+    *,
+    norm_by_std: bool = True,
+    eps: float = 1e-6,
 ) -> torch.Tensor:
     """GRPO outcome advantage (ALGORITHMS.md notation; verl `compute_grpo_outcome_advantage`):
 
-        A_i = (r_i - mean_g r) / (std_g r + eps)    if norm_by_std (std: unbiased, G - 1)
-        A_i =  r_i - mean_g r                       otherwise (Dr.GRPO, DARLING A.6)
+    A_i = (r_i - mean_g r) / (std_g r + eps)    if norm_by_std (std: unbiased, G - 1)
+    A_i =  r_i - mean_g r                       otherwise (Dr.GRPO, DARLING A.6)
     """
     r, count_N, mean_N, has_signal_N = _group_stats(rewards_N, group_ids_N)
     centered_N = r - mean_N
     if norm_by_std:
         num_groups = int(group_ids_N.max()) + 1 if len(group_ids_N) else 0
-        sq_g = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, group_ids_N, centered_N**2)
+        sq_g = torch.zeros(num_groups, dtype=torch.float64).index_add_(
+            0, group_ids_N, centered_N**2
+        )
         std_N = (sq_g[group_ids_N] / (count_N - 1).clamp(min=1)).sqrt()
         centered_N = centered_N / (std_N + eps)
     return torch.where(has_signal_N, centered_N, 0.0).to(rewards_N.dtype)
@@ -63,7 +71,7 @@ def drgrpo_advantages(rewards_N: torch.Tensor, group_ids_N: torch.Tensor) -> tor
 def rloo_advantages(rewards_N: torch.Tensor, group_ids_N: torch.Tensor) -> torch.Tensor:
     """RLOO (Ahmadian et al. 2024): leave-one-out baseline,
 
-        A_i = r_i - (1 / (G - 1)) * sum_{j != i} r_j  =  G / (G - 1) * (r_i - mean_g r)
+    A_i = r_i - (1 / (G - 1)) * sum_{j != i} r_j  =  G / (G - 1) * (r_i - mean_g r)
     """
     r, count_N, mean_N, has_signal_N = _group_stats(rewards_N, group_ids_N)
     loo_N = (mean_N * count_N - r) / (count_N - 1).clamp(min=1)

@@ -115,7 +115,9 @@ class PromptDataset:
             file_rows = read_rows(path)
             rows += file_rows
             names += [f"{path} row {i}" for i in range(len(file_rows))]
-        return cls(rows, source=",".join(os.path.basename(p) for p in paths), row_names=names, **kwargs)
+        return cls(
+            rows, source=",".join(os.path.basename(p) for p in paths), row_names=names, **kwargs
+        )
 
     @classmethod
     def from_task(
@@ -143,7 +145,9 @@ class PromptDataset:
         if files:
             return cls.from_files(files, **kwargs)
         num = cfg.num_train_examples if split == "train" else cfg.num_val_examples
-        return cls.from_task(cfg.task, num_examples=num, split=split, task_kwargs=cfg.task_kwargs, **kwargs)
+        return cls.from_task(
+            cfg.task, num_examples=num, split=split, task_kwargs=cfg.task_kwargs, **kwargs
+        )
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -164,7 +168,9 @@ class PromptDataset:
             )
         num_batches = len(self.prompts) // batch_size
         if num_batches == 0:
-            raise ValueError(f"dataset has {len(self.prompts)} prompts, fewer than one batch of {batch_size}")
+            raise ValueError(
+                f"dataset has {len(self.prompts)} prompts, fewer than one batch of {batch_size}"
+            )
         per_rank = batch_size // self.dp_size
         while True:
             order = self._order(self.epoch)
@@ -178,8 +184,12 @@ class PromptDataset:
             self.batch_in_epoch = 0
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch, "seed": self.seed,
-                "num_prompts": len(self.prompts)}
+        return {
+            "epoch": self.epoch,
+            "batch_in_epoch": self.batch_in_epoch,
+            "seed": self.seed,
+            "num_prompts": len(self.prompts),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         if state["seed"] != self.seed or state["num_prompts"] != len(self.prompts):

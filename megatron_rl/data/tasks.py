@@ -40,7 +40,9 @@ def synthetic_arithmetic(
         if op not in ("+", "-", "*"):
             raise ValueError(f"task_kwargs.ops: unknown operator {op!r} (use +, - or *)")
     if not 1 <= min_digits <= max_digits:
-        raise ValueError(f"task_kwargs: need 1 <= min_digits <= max_digits, got {min_digits}, {max_digits}")
+        raise ValueError(
+            f"task_kwargs: need 1 <= min_digits <= max_digits, got {min_digits}, {max_digits}"
+        )
     rng = random.Random(f"synthetic_arithmetic:{seed}:{split}")
 
     def operand(max_d: int) -> int:
@@ -70,7 +72,9 @@ def synthetic_arithmetic(
             }
         )
     if len(rows) < num_examples:
-        raise ValueError(f"synthetic_arithmetic: the {split} split of these task_kwargs is too small")
+        raise ValueError(
+            f"synthetic_arithmetic: the {split} split of these task_kwargs is too small"
+        )
     return rows
 
 
@@ -86,7 +90,9 @@ def reasoning_gym_task(
 
     split_seed = seed if split == "train" else seed + 1_000_003
     try:
-        dataset = reasoning_gym.create_dataset(name, size=num_examples, seed=split_seed, **task_kwargs)
+        dataset = reasoning_gym.create_dataset(
+            name, size=num_examples, seed=split_seed, **task_kwargs
+        )
     except (KeyError, ValueError, TypeError) as e:
         raise ValueError(f"data.task reasoning_gym:{name}: {e}") from e
     rows = []
@@ -120,9 +126,13 @@ def build_task(
     """Rows of `task` ("synthetic_arithmetic" or "reasoning_gym:<dataset>")."""
     family, _, arg = task.partition(":")
     if family not in TASKS:
-        raise ValueError(f"data.task: unknown task {task!r}; known: {sorted(TASKS)} (reasoning_gym:<name>)")
+        raise ValueError(
+            f"data.task: unknown task {task!r}; known: {sorted(TASKS)} (reasoning_gym:<name>)"
+        )
     if (family == "reasoning_gym") != bool(arg):
-        raise ValueError(f"data.task: {task!r} (use `reasoning_gym:<dataset>` or `synthetic_arithmetic`)")
+        raise ValueError(
+            f"data.task: {task!r} (use `reasoning_gym:<dataset>` or `synthetic_arithmetic`)"
+        )
     args = (arg,) if arg else ()
     return TASKS[family](*args, num_examples, seed, split, **(task_kwargs or {}))
 

@@ -1,1 +1,243 @@
+"""Rewards: the REWARDS registry, user reward functions, and scoring of a rollout.
 
+A reward function scores one response:
+
+    def my_reward(response: str, ground_truth, *, prompt: str, sample: Sample) -> float | dict:
+        ...  # a dict carries "score" (the reward) plus extra numeric metrics to log
+
+`response` and `prompt` are decoded without special tokens; `sample` gives the token ids,
+finish reason and `sample.metadata` (data_source, extra_info). A *group* reward function scores
+all G responses of one prompt at once (DARLING needs the whole group); mark it with
+`@group_reward` and use this signature:
+
+    @group_reward
+    def my_group_reward(responses: list[str], ground_truths: list, *, prompts: list[str],
+                        samples: list[Sample]) -> list[float | dict]: ...
+
+Select one with `reward.name`: a REWARDS key, `auto` (the task's own scorer), or
+`package.module:function` / `path/to/file.py:function` (`load_by_path`).
+
+Usage in the loop:
+    reward_fn = build_reward(cfg.reward, "" if cfg.data.train_files else cfg.data.task)
+    metrics = compute_rewards(samples, reward_fn, tokenizer, cfg.reward,
+                              max_new_tokens=cfg.rollout.max_new_tokens)
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import statistics
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+from megatron_rl.rewards import diversity
+from megatron_rl.rewards.math import exact_match_score, math_verify_score, reasoning_gym_score
+
+if TYPE_CHECKING:
+    from megatron_rl.config import RewardConfig
+    from megatron_rl.types import Sample
+
+RewardFn = Callable[..., "float | dict | list[float | dict]"]
+
+REWARDS: dict[str, RewardFn] = {
+    "math": math_verify_score,
+    "exact_match": exact_match_score,
+    "reasoning_gym": reasoning_gym_score,
+}
+"""Built-in verifiers: correctness in [0, 1], mapped onto correct/incorrect_reward."""
+
+
+def group_reward(fn: Callable) -> Callable:
+    """Mark `fn` as a group reward function (it receives the G responses of one prompt)."""
+    fn.group_level = True
+    return fn
+
+
+def is_group_reward(fn: Callable) -> bool:
+    return bool(getattr(fn, "group_level", False))
+
+
+def load_by_path(path: str) -> Callable:
+    """The callable at "package.module:function" or "path/to/file.py:function"."""
+    module_name, sep, attr = path.rpartition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"reward function path {path!r} must look like `package.module:function`")
+    try:
+        if module_name.endswith(".py"):
+            spec = importlib.util.spec_from_file_location(
+                os.path.splitext(os.path.basename(module_name))[0], module_name
+            )
+            if spec is None or not os.path.exists(module_name):
+                raise ImportError(f"no file {module_name}")
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(module_name)
+    except Exception as e:  # any failure while importing user code is a config error
+        raise ValueError(
+            f"reward function path {path!r} does not import: {type(e).__name__}: {e}"
+        ) from e
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ValueError(f"reward function path {path!r}: {module_name} has no callable `{attr}`")
+    return fn
+
+
+def _scaled(verifier: Callable, correct: float, incorrect: float) -> RewardFn:
+    """A verifier's correctness s in [0, 1] -> reward incorrect + s * (correct - incorrect)."""
+
+    def reward(response, ground_truth, *, prompt, sample):
+        s = float(verifier(response, ground_truth, prompt=prompt, sample=sample))
+        return {"score": incorrect + s * (correct - incorrect), "correct": s}
+
+    reward.__name__ = getattr(verifier, "__name__", "reward")
+    return reward
+
+
+def _darling(quality_fn: RewardFn, cfg: RewardConfig) -> RewardFn:
+    """Group reward: quality of each response fused with its DARLING diversity (A.5)."""
+    equivalent = diversity.build_equivalence(
+        cfg.diversity_equivalence, threshold=cfg.diversity_threshold, ngram=cfg.diversity_ngram
+    )
+
+    @group_reward
+    def darling(responses, ground_truths, *, prompts, samples):
+        if is_group_reward(quality_fn):
+            quality = [
+                _as_dict(r, quality_fn)
+                for r in quality_fn(responses, ground_truths, prompts=prompts, samples=samples)
+            ]
+        else:
+            quality = [
+                _as_dict(quality_fn(r, gt, prompt=p, sample=s), quality_fn)
+                for r, gt, p, s in zip(responses, ground_truths, prompts, samples)
+            ]
+        labels = diversity.partition_texts(responses, equivalent)
+        div = diversity.diversity_scores(labels, floor=cfg.diversity_floor)
+        q = [d["score"] for d in quality]
+        fused = diversity.fuse(q, div, cfg.diversity, weight=cfg.diversity_weight)
+        num_classes = float(max(labels) + 1)
+        return [
+            {**qd, "score": r, "quality": qs, "diversity": d, "num_classes": num_classes}
+            for qd, r, qs, d in zip(quality, fused, q, div)
+        ]
+
+    return darling
+
+
+def build_reward(cfg: RewardConfig, task_name: str) -> RewardFn:
+    """The reward function `reward.name` selects. `task_name` is data.task, or "" when the
+    prompts come from files (then `auto` means math-verify)."""
+    name = cfg.name
+    if name == "auto":
+        family = task_name.partition(":")[0]
+        name = {"synthetic_arithmetic": "exact_match", "reasoning_gym": "reasoning_gym"}.get(
+            family, "math"
+        )
+    if name in REWARDS:
+        fn = _scaled(REWARDS[name], cfg.correct_reward, cfg.incorrect_reward)
+    elif ":" in name:
+        fn = load_by_path(name)
+    else:
+        raise ValueError(
+            f"reward.name: unknown {name!r}; known: auto, {sorted(REWARDS)}, or pkg.module:function"
+        )
+    return fn if cfg.diversity == "none" else _darling(fn, cfg)
+
+
+def overlong_penalty(length: int, max_new_tokens: int, buffer_len: int, factor: float) -> float:
+    """DAPO overlong shaping (ALGORITHMS.md B.7):
+    r_len = min(-(|y| - (L_max - L_buf)) / L_buf * lambda, 0), L_max = max_new_tokens."""
+    return min(-(length - (max_new_tokens - buffer_len)) / buffer_len * factor, 0.0)
+
+
+def _as_dict(result, fn) -> dict:
+    if isinstance(result, dict):
+        if "score" not in result:
+            raise ValueError(
+                f"reward function {getattr(fn, '__name__', fn)!r} returned a dict without `score`"
+            )
+        return result
+    return {"score": float(result)}
+
+
+def compute_rewards(
+    samples: list[Sample],
+    reward_fn: RewardFn,
+    tokenizer,
+    cfg: RewardConfig,
+    *,
+    max_new_tokens: int | None = None,
+) -> dict[str, float]:
+    """Score `samples` in place (sample.reward, sample.reward_metrics) and return batch means
+    for logging. Per-sample functions run in a thread pool of reward.num_workers; group
+    functions get each group (by group_id, in order). The DAPO overlong penalty, when
+    reward.overlong_buffer_len > 0, is added after scoring (needs max_new_tokens)."""
+    if not samples:
+        return {}
+    responses = [tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples]
+    prompts = [tokenizer.decode(s.prompt_ids, skip_special_tokens=True) for s in samples]
+    with ThreadPoolExecutor(max_workers=cfg.num_workers) as pool:
+        if is_group_reward(reward_fn):
+            groups: dict[str, list[int]] = {}
+            for i, s in enumerate(samples):
+                groups.setdefault(s.group_id, []).append(i)
+
+            def score_group(idx):
+                out = reward_fn(
+                    [responses[i] for i in idx],
+                    [samples[i].ground_truth for i in idx],
+                    prompts=[prompts[i] for i in idx],
+                    samples=[samples[i] for i in idx],
+                )
+                if len(out) != len(idx):
+                    raise ValueError(
+                        f"group reward function returned {len(out)} scores for {len(idx)} samples"
+                    )
+                return out
+
+            results: list = [None] * len(samples)
+            for idx, out in zip(groups.values(), pool.map(score_group, groups.values())):
+                for i, r in zip(idx, out):
+                    results[i] = r
+        else:
+            results = list(
+                pool.map(
+                    lambda i: reward_fn(
+                        responses[i], samples[i].ground_truth, prompt=prompts[i], sample=samples[i]
+                    ),
+                    range(len(samples)),
+                )
+            )
+    for s, result in zip(samples, results):
+        d = _as_dict(result, reward_fn)
+        s.reward = float(d["score"])
+        s.reward_metrics = {k: float(v) for k, v in d.items() if k != "score"}
+    if cfg.overlong_buffer_len > 0:
+        if max_new_tokens is None:
+            raise ValueError(
+                "reward.overlong_buffer_len > 0 needs max_new_tokens (rollout.max_new_tokens)"
+            )
+        if cfg.overlong_buffer_len > max_new_tokens:
+            raise ValueError(
+                f"reward.overlong_buffer_len={cfg.overlong_buffer_len} exceeds max_new_tokens={max_new_tokens}"
+            )
+        for s in samples:
+            p = overlong_penalty(
+                s.response_length,
+                max_new_tokens,
+                cfg.overlong_buffer_len,
+                cfg.overlong_penalty_factor,
+            )
+            s.reward += p
+            s.reward_metrics["overlong_penalty"] = p
+
+    rewards = [s.reward for s in samples]
+    metrics = {"reward/mean": statistics.fmean(rewards), "reward/std": statistics.pstdev(rewards)}
+    for key in sorted({k for s in samples for k in s.reward_metrics}):
+        vals = [s.reward_metrics[key] for s in samples if key in s.reward_metrics]
+        metrics[f"reward/{key}"] = statistics.fmean(vals)
+    return metrics

@@ -50,7 +50,9 @@ class SamplingParams:
         if self.top_k != -1 and self.top_k < 1:
             raise ValueError(f"SamplingParams.top_k must be -1 or >= 1, got {self.top_k}")
         if self.max_new_tokens < 1:
-            raise ValueError(f"SamplingParams.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+            raise ValueError(
+                f"SamplingParams.max_new_tokens must be >= 1, got {self.max_new_tokens}"
+            )
 
     @classmethod
     def from_config(
@@ -72,9 +74,7 @@ class SamplingParams:
 class RolloutEngine(Protocol):
     """What the RL loop needs from a generator."""
 
-    def generate(
-        self, prompts: list[list[int]], n: int, sampling: SamplingParams
-    ) -> list[Sample]:
+    def generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams) -> list[Sample]:
         """Generate n samples per prompt. Returns len(prompts) * n samples grouped in prompt
         order (samples[i*n:(i+1)*n] answer prompts[i]), each with a unique sample_id,
         response_ids, finish_reason and, when sampling.logprobs, response_logprobs."""

@@ -1,0 +1,241 @@
+"""Policy-loss math: pure tensor functions on right-padded [B, T] response tokens.
+
+- `ppo_clip_loss`: the PPO clipped surrogate with clip-higher (eps_low, eps_high) and the
+  verl dual clip for negative advantages (ALGORITHMS.md notation):
+      l_clip = max(-A * rho, -A * clip(rho, 1 - eps_low, 1 + eps_high))
+      l      = min(l_clip, -A * c)   where A < 0 and c > 1;   l_clip elsewhere
+- `aggregate`: the four verl aggregation modes, with optional *global* normalizers so that the
+  per-micro-batch losses of one mini-batch, summed over micro-batches and DP ranks, equal the
+  loss of the whole mini-batch (micro-batching and DP leave the gradient unchanged).
+- `kl_penalty`: k1 and k3 ("low_var_kl") estimators of KL(pi_theta || pi_ref).
+- `entropy_from_logits`: per-token entropy, chunked over tokens so a 150k vocabulary does not
+  materialize a second full-size fp32 copy of the logits.
+- `policy_loss`: all of the above from a `PolicyLossInput`, returning a `PolicyLossOutput`.
+
+Shapes are in the names: B sequences, T padded response length, V vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+LOSS_AGG_MODES = (
+    "token-mean",
+    "seq-mean-token-sum",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum-norm",
+)
+
+
+@dataclass(kw_only=True)
+class PolicyLossInput:
+    logprobs_BT: torch.Tensor  # noqa: N815 (shape suffix)
+    """Log-probs of the response tokens under the current policy (requires grad)."""
+    old_logprobs_BT: torch.Tensor  # noqa: N815 (shape suffix)
+    """Log-probs under pi_old (the rollout policy as scored by the actor)."""
+    advantages_BT: torch.Tensor  # noqa: N815 (shape suffix)
+    """Advantages, broadcast to tokens."""
+    mask_BT: torch.Tensor  # noqa: N815 (shape suffix)
+    """True (1) on valid response tokens, False on padding."""
+    ref_logprobs_BT: torch.Tensor | None = None  # noqa: N815 (shape suffix)
+    """Log-probs under pi_ref; needed when kl_coef > 0."""
+    entropy_BT: torch.Tensor | None = None  # noqa: N815 (shape suffix)
+    """Per-token entropy (`entropy_from_logits`); needed when entropy_coef != 0, else a metric."""
+
+
+@dataclass(kw_only=True)
+class PolicyLossOutput:
+    loss: torch.Tensor
+    """Scalar to backpropagate: pg_loss + kl_coef * kl_loss - entropy_coef * entropy."""
+    pg_loss: torch.Tensor
+    """Aggregated clipped surrogate."""
+    kl_loss: torch.Tensor
+    """Aggregated KL to the reference (0 without ref_logprobs_BT)."""
+    entropy: torch.Tensor
+    """Aggregated entropy (0 without entropy_BT)."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """Local token means over this micro-batch: clipfrac, clipfrac_high, clipfrac_low,
+    dualclip_frac, approx_kl, ratio_mean, ratio_max, ...; num_tokens."""
+
+
+def ppo_clip_loss(
+    logprobs_BT: torch.Tensor,
+    old_logprobs_BT: torch.Tensor,
+    advantages_BT: torch.Tensor,
+    *,
+    clip_ratio_low: float,
+    clip_ratio_high: float,
+    clip_ratio_c: float,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Per-token clipped surrogate and the [B, T] indicators used for metrics."""
+    # Clamp the log-ratio as verl does so one bad token cannot produce inf/NaN.
+    log_ratio_BT = (logprobs_BT - old_logprobs_BT).clamp(-20.0, 20.0)
+    ratio_BT = log_ratio_BT.exp()
+    A = advantages_BT
+    unclipped_BT = -A * ratio_BT
+    clipped_BT = -A * ratio_BT.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    loss_BT = torch.maximum(unclipped_BT, clipped_BT)
+    dual_BT = torch.zeros_like(loss_BT, dtype=torch.bool)
+    if clip_ratio_c > 1.0:
+        # Dual clip (Ye et al. 2020), only for A < 0: bound the loss by -A * c.
+        dual_bound_BT = -A * clip_ratio_c
+        dual_BT = (A < 0) & (loss_BT > dual_bound_BT)
+        loss_BT = torch.where(A < 0, torch.minimum(loss_BT, dual_bound_BT), loss_BT)
+    flags = {
+        "ratio": ratio_BT.detach(),
+        "log_ratio": log_ratio_BT.detach(),
+        "clipped": (clipped_BT > unclipped_BT).detach(),
+        "clipped_high": ((ratio_BT > 1.0 + clip_ratio_high) & (A > 0)).detach(),
+        "clipped_low": ((ratio_BT < 1.0 - clip_ratio_low) & (A < 0)).detach(),
+        "dual_clipped": dual_BT,
+    }
+    return loss_BT, flags
+
+
+def aggregate(
+    loss_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    mode: str,
+    *,
+    global_num_tokens: float | None = None,
+    global_num_seqs: float | None = None,
+    norm_len: int | None = None,
+) -> torch.Tensor:
+    """Reduce per-token losses to a scalar.
+
+    token-mean:              sum_{i,t} l_it / N_tok
+    seq-mean-token-sum:      (1/N_seq) sum_i sum_t l_it
+    seq-mean-token-mean:     (1/N_seq) sum_i (sum_t l_it / L_i)
+    seq-mean-token-sum-norm: (1/N_seq) sum_i (sum_t l_it / norm_len)   (Dr.GRPO; norm_len is a
+                             constant, the max response length)
+
+    N_tok / N_seq default to this micro-batch's valid tokens / sequences. Pass the totals of the
+    whole mini-batch (over all micro-batches and DP ranks) as global_num_tokens /
+    global_num_seqs: each micro-batch then returns its share of the mini-batch loss, and the
+    sum of the shares is the mini-batch loss. (If DDP *averages* gradients over DP ranks,
+    multiply the loss by the DP size so the sum, not the mean, is what is differentiated.)
+    """
+    mask = mask_BT.to(loss_BT.dtype)
+    if mode == "token-mean":
+        denom = mask.sum().clamp(min=1) if global_num_tokens is None else global_num_tokens
+        return (loss_BT * mask).sum() / denom
+    if mode not in LOSS_AGG_MODES:
+        raise ValueError(f"algorithm.loss_agg_mode: unknown {mode!r}; known: {LOSS_AGG_MODES}")
+    seq_sum_B = (loss_BT * mask).sum(-1)
+    if mode == "seq-mean-token-mean":
+        seq_B = seq_sum_B / mask.sum(-1).clamp(min=1)
+    elif mode == "seq-mean-token-sum-norm":
+        if not norm_len:
+            raise ValueError("seq-mean-token-sum-norm needs norm_len (the max response length)")
+        seq_B = seq_sum_B / norm_len
+    else:
+        seq_B = seq_sum_B
+    has_tokens_B = (mask.sum(-1) > 0).to(loss_BT.dtype)
+    denom = has_tokens_B.sum().clamp(min=1) if global_num_seqs is None else global_num_seqs
+    return (seq_B * has_tokens_B).sum() / denom
+
+
+def kl_penalty(
+    logprobs_BT: torch.Tensor, ref_logprobs_BT: torch.Tensor, estimator: str
+) -> torch.Tensor:
+    """Per-token estimate of KL(pi_theta || pi_ref) from samples of pi_theta (Schulman 2020):
+    k1 = log pi - log pi_ref
+    k3 = exp(log pi_ref - log pi) - (log pi_ref - log pi) - 1   (>= 0; verl low_var_kl,
+         clamped to [-10, 10])
+    """
+    if estimator == "k1":
+        return logprobs_BT - ref_logprobs_BT
+    if estimator == "k3":
+        log_ratio_BT = (ref_logprobs_BT - logprobs_BT).clamp(-20.0, 20.0)
+        return (log_ratio_BT.exp() - log_ratio_BT - 1.0).clamp(-10.0, 10.0)
+    raise ValueError(f"algorithm.kl_estimator: unknown {estimator!r} (k1 | k3)")
+
+
+def entropy_from_logits(logits_NV: torch.Tensor, chunk_size: int = 1024) -> torch.Tensor:
+    """[N] entropy H = logsumexp(z) - sum_v softmax(z)_v z_v, computed in fp32 `chunk_size`
+    rows at a time (any leading dims are flattened and restored)."""
+    lead_shape = logits_NV.shape[:-1]
+    flat_NV = logits_NV.reshape(-1, logits_NV.shape[-1])
+    out = []
+    for chunk in flat_NV.split(chunk_size):
+        z = chunk.float()
+        lse = torch.logsumexp(z, dim=-1)
+        out.append(lse - (torch.softmax(z, dim=-1) * z).sum(-1))
+    return torch.cat(out).reshape(lead_shape) if out else flat_NV.new_zeros(lead_shape).float()
+
+
+def policy_loss(
+    inp: PolicyLossInput,
+    *,
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.2,
+    clip_ratio_c: float = 3.0,
+    loss_agg_mode: str = "token-mean",
+    kl_coef: float = 0.0,
+    kl_estimator: str = "k3",
+    entropy_coef: float = 0.0,
+    global_num_tokens: float | None = None,
+    global_num_seqs: float | None = None,
+    norm_len: int | None = None,
+) -> PolicyLossOutput:
+    """PPO-clip policy loss (+ KL to the reference, - entropy bonus) of one micro-batch. The
+    keyword arguments mirror `AlgorithmConfig`; see `aggregate` for the normalizers."""
+    agg_kwargs = dict(
+        mode=loss_agg_mode,
+        global_num_tokens=global_num_tokens,
+        global_num_seqs=global_num_seqs,
+        norm_len=norm_len,
+    )
+    mask_BT = inp.mask_BT.bool()
+    loss_BT, flags = ppo_clip_loss(
+        inp.logprobs_BT,
+        inp.old_logprobs_BT,
+        inp.advantages_BT,
+        clip_ratio_low=clip_ratio_low,
+        clip_ratio_high=clip_ratio_high,
+        clip_ratio_c=clip_ratio_c,
+    )
+    pg_loss = aggregate(loss_BT, mask_BT, **agg_kwargs)
+    zero = pg_loss.new_zeros(())
+    kl_loss = entropy = zero
+    if kl_coef != 0.0:
+        if inp.ref_logprobs_BT is None:
+            raise ValueError("algorithm.kl_coef > 0 needs ref_logprobs_BT")
+        kl_loss = aggregate(
+            kl_penalty(inp.logprobs_BT, inp.ref_logprobs_BT, kl_estimator), mask_BT, **agg_kwargs
+        )
+    if inp.entropy_BT is not None:
+        entropy = aggregate(inp.entropy_BT, mask_BT, **agg_kwargs)
+    elif entropy_coef != 0.0:
+        raise ValueError("algorithm.entropy_coef != 0 needs entropy_BT")
+    loss = pg_loss + kl_coef * kl_loss - entropy_coef * entropy
+
+    with torch.no_grad():
+        n = mask_BT.sum().clamp(min=1)
+
+        def mean(x_BT):
+            return float((x_BT.float() * mask_BT).sum() / n)
+
+        neg_log_ratio = -flags["log_ratio"]
+        metrics = {
+            "clipfrac": mean(flags["clipped"]),
+            "clipfrac_high": mean(flags["clipped_high"]),
+            "clipfrac_low": mean(flags["clipped_low"]),
+            "dualclip_frac": mean(flags["dual_clipped"]),
+            # k3 estimate of KL(pi_theta || pi_old) from the same tokens
+            "approx_kl": mean(neg_log_ratio.exp() - 1.0 - neg_log_ratio),
+            "ratio_mean": mean(flags["ratio"]),
+            "ratio_max": float(flags["ratio"].masked_fill(~mask_BT, 0).max())
+            if mask_BT.any()
+            else 0.0,
+            "num_tokens": float(mask_BT.sum()),
+        }
+        if inp.ref_logprobs_BT is not None:
+            metrics["ref_kl"] = mean(kl_penalty(inp.logprobs_BT, inp.ref_logprobs_BT, kl_estimator))
+        if inp.entropy_BT is not None:
+            metrics["entropy"] = mean(inp.entropy_BT)
+    return PolicyLossOutput(
+        loss=loss, pg_loss=pg_loss, kl_loss=kl_loss, entropy=entropy, metrics=metrics
+    )
