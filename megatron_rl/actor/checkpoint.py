@@ -1,0 +1,135 @@
+"""Megatron checkpoints of the policy (dist_checkpointing, torch_dist) and HF export.
+
+Layout of a checkpoint folder:
+    ckpt_dir/config.json          the HF config the model was built from (+ tokenizer files)
+    ckpt_dir/model/               dist_checkpointing torch_dist shards of the model
+                                  (+ the optimizer's, when one is passed)
+    ckpt_dir/extra.json           caller's small metadata (step, consumed samples, ...)
+
+Loading reshards: a checkpoint saved at TP=2 loads into a TP=1 model (dist_checkpointing).
+`save_checkpoint` is collective; scripts that call it need an `if __name__ == "__main__":`
+guard, because the torch_dist saver spawns a process.
+
+    save_checkpoint(model, ckpt_dir, hf_config=hf, src_dir=hf_dir, extra={"step": 10})
+    extra = load_checkpoint(model, ckpt_dir)
+    export_hf(ckpt_dir, out_dir, ps)          # build, load, write HF safetensors (rank 0)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.models.weights import copy_tokenizer_files, save_hf_weights
+from megatron_rl.parallel import ParallelState
+
+MODEL_SUBDIR = "model"
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+"""HF config `dtype` / `torch_dtype` values -> torch dtypes."""
+
+
+def hf_dtype(hf_config: dict, default: torch.dtype = torch.float32) -> torch.dtype:
+    """The dtype an HF config declares (`dtype` in transformers 5, `torch_dtype` before)."""
+    name = hf_config.get("dtype") or hf_config.get("torch_dtype")
+    if name is None:
+        return default
+    if name not in DTYPES:
+        raise ValueError(f"config.json field `dtype`: {name!r} not in {sorted(DTYPES)}")
+    return DTYPES[name]
+
+
+def read_hf_config(folder: str) -> dict:
+    """config.json of an HF folder or of a megatron-rl checkpoint folder."""
+    path = os.path.join(folder, "config.json")
+    if not os.path.isfile(path):
+        raise ValueError(f"folder `{folder}`: no config.json")
+    with open(path) as f:
+        return json.load(f)
+
+
+def _rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def save_checkpoint(
+    model,
+    ckpt_dir: str,
+    *,
+    hf_config: dict,
+    src_dir: str | None = None,
+    optimizer=None,
+    extra: dict | None = None,
+) -> None:
+    """Save model (and optimizer) shards with dist_checkpointing; collective over all ranks."""
+    from megatron.core import dist_checkpointing
+
+    model_dir = os.path.join(ckpt_dir, MODEL_SUBDIR)
+    if _rank0():
+        os.makedirs(model_dir, exist_ok=True)
+        with open(os.path.join(ckpt_dir, "config.json"), "w") as f:
+            json.dump(hf_config, f, indent=2, sort_keys=True)
+        with open(os.path.join(ckpt_dir, "extra.json"), "w") as f:
+            json.dump(extra or {}, f, indent=2)
+        if src_dir is not None:
+            copy_tokenizer_files(src_dir, ckpt_dir)
+    if dist.is_initialized():
+        dist.barrier()
+    state = {"model": model.sharded_state_dict(prefix="model.")}
+    if optimizer is not None:
+        state["optimizer"] = optimizer.sharded_state_dict(state["model"])
+    dist_checkpointing.save(state, model_dir)
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def load_checkpoint(model, ckpt_dir: str, *, optimizer=None) -> dict:
+    """Load model (and optimizer) shards saved by `save_checkpoint`, resharding as needed.
+
+    Returns the `extra` dict saved with it.
+    """
+    from megatron.core import dist_checkpointing
+
+    model_dir = os.path.join(ckpt_dir, MODEL_SUBDIR)
+    if not os.path.isdir(model_dir):
+        raise ValueError(f"folder `{ckpt_dir}`: no `{MODEL_SUBDIR}/` dist_checkpointing folder")
+    sharded = {"model": model.sharded_state_dict(prefix="model.")}
+    if optimizer is not None:
+        sharded["optimizer"] = optimizer.sharded_state_dict(sharded["model"], is_loading=True)
+    state = dist_checkpointing.load(sharded, model_dir)
+    model_state = {k[len("model.") :]: v for k, v in state["model"].items()}
+    missing, unexpected = model.load_state_dict(model_state, strict=False)
+    missing = [k for k in missing if not k.endswith("_extra_state")]
+    if missing:
+        raise ValueError(f"checkpoint `{model_dir}`: missing tensors {missing[:5]}")
+    if optimizer is not None:
+        optimizer.load_state_dict(state["optimizer"])
+    extra_path = os.path.join(ckpt_dir, "extra.json")
+    if os.path.exists(extra_path):
+        with open(extra_path) as f:
+            return json.load(f)
+    return {}
+
+
+def export_hf(
+    ckpt_dir: str,
+    out_dir: str,
+    ps: ParallelState,
+    *,
+    dtype: torch.dtype | None = None,
+    progress=None,
+) -> None:
+    """Megatron checkpoint folder -> HF folder (config.json, safetensors, tokenizer files).
+
+    Builds the model for the layout of `ps` (any TP/PP/EP: the checkpoint reshards), loads it
+    and writes through the family's weight map. Collective; rank 0 writes.
+    """
+    from megatron_rl.models.builder import build_model
+
+    hf_config = read_hf_config(ckpt_dir)
+    model = build_model(hf_config, ps, dtype=dtype or hf_dtype(hf_config))
+    load_checkpoint(model, ckpt_dir)
+    save_hf_weights(model, ps, hf_config, out_dir, src_dir=ckpt_dir, progress=progress)
