@@ -1,0 +1,50 @@
+"""Config loading: recipes, dotted overrides, unknown keys named with the nearest valid key."""
+
+import subprocess
+import sys
+
+import pytest
+
+from megatron_rl.cli import load_config, split_config_args
+from megatron_rl.config import RLConfig, SFTConfig
+
+
+def test_quickstart_recipes_load_with_overrides():
+    cfg = load_config(RLConfig, "examples/quickstart/grpo.yaml",
+                      ["algorithm.clip_ratio_high=0.3", "data.train_files=[a.parquet,b.jsonl]"])
+    assert cfg.algorithm.clip_ratio_high == 0.3
+    assert cfg.data.train_files == ["a.parquet", "b.jsonl"]
+    assert cfg.rollout.n == 8
+    sft = load_config(SFTConfig, "examples/quickstart/sft.yaml", [])
+    assert sft.sft.batch_size == 64
+
+
+def test_unknown_override_names_nearest_key():
+    with pytest.raises(ValueError, match=r"algorithm.clip_ratio_hgh.*algorithm.clip_ratio_high"):
+        load_config(RLConfig, None, ["algorithm.clip_ratio_hgh=0.3"])
+
+
+def test_unknown_recipe_key_names_file_and_nearest(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("rollout:\n  temprature: 0.5\n")
+    with pytest.raises(ValueError, match=r"rollout.temprature.*r.yaml.*rollout.temperature"):
+        load_config(RLConfig, str(recipe), [])
+
+
+def test_invalid_value_names_field():
+    with pytest.raises(ValueError, match="rollout.top_p"):
+        load_config(RLConfig, None, ["rollout.top_p=0"])
+
+
+def test_free_form_dict_keys_are_allowed():
+    cfg = load_config(RLConfig, None, ["data.task_kwargs.max_digits=3", "model.tiny.hidden_size=64"])
+    assert cfg.data.task_kwargs == {"max_digits": 3} and cfg.model.tiny["hidden_size"] == 64
+
+
+def test_split_config_args():
+    assert split_config_args(["--config", "x.yaml", "a.b=1", "--flag"]) == ("x.yaml", ["a.b=1"], ["--flag"])
+
+
+def test_config_imports_without_torch():
+    code = "import sys, megatron_rl.config, megatron_rl.cli; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
