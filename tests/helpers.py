@@ -1,0 +1,123 @@
+"""Shared test helpers: tiny random HF checkpoints and two-rank torchrun launches.
+
+    path = make_tiny_hf("qwen3_moe", tmp_path / "hf")           # config.json + model.safetensors
+    proc = run_torchrun(["tests/distributed/_worker.py", "arg"])  # 2 gloo ranks, own free port
+
+`run_torchrun` runs `python -m torch.distributed.run --nproc_per_node N --standalone` (its own free port)
+with OMP_NUM_THREADS=1 and HF_HUB_OFFLINE=1 from the repository root, and raises with the
+captured output if the job fails.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+_COMMON = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+)
+
+TINY_CONFIGS = {
+    "qwen3": ("Qwen3Config", dict(_COMMON, tie_word_embeddings=False)),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        dict(
+            _COMMON,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            tie_word_embeddings=False,
+        ),
+    ),
+    "qwen2": ("Qwen2Config", dict(_COMMON, tie_word_embeddings=False)),
+    "llama": ("LlamaConfig", dict(_COMMON, tie_word_embeddings=True)),
+}
+"""Family name -> (transformers config class, kwargs) of the tiny test models."""
+
+
+def make_tiny_hf(family: str, out_dir, *, seed: int = 0, dtype=torch.float32, **overrides) -> str:
+    """Save a tiny random HF model of `family` to `out_dir` and return the folder.
+
+    Every weight is perturbed (norms around 1, the rest N(0, 0.05)) so that q/k norms, biases
+    and the router all matter for parity.
+    """
+    import transformers
+
+    cls_name, kwargs = TINY_CONFIGS[family]
+    config = getattr(transformers, cls_name)(**{**kwargs, **overrides})
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+            else:
+                p.copy_(0.05 * torch.randn_like(p))
+    out_dir = str(out_dir)
+    model.save_pretrained(out_dir)
+    with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+        f.write('{"model_max_length": 256}\n')
+    return out_dir
+
+
+def padded_batch(vocab_size: int, lengths: list[int], seed: int = 0):
+    """Right-padded random token batch: (input_ids [b, s], lengths [b]) (pads are token 0)."""
+    g = torch.Generator().manual_seed(seed)
+    s = max(lengths)
+    ids = torch.zeros(len(lengths), s, dtype=torch.long)
+    for i, n in enumerate(lengths):
+        ids[i, :n] = torch.randint(1, vocab_size, (n,), generator=g)
+    return ids, torch.tensor(lengths)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_torchrun(
+    args: list[str], nproc: int = 2, timeout: float = 300, env: dict | None = None
+) -> subprocess.CompletedProcess:
+    """Run `torchrun --nproc_per_node nproc <args>` (a script path or `-m module ...`).
+
+    Each call gets its own free port (torchrun --standalone); the child environment has OMP_NUM_THREADS=1,
+    HF_HUB_OFFLINE=1 and the repository on PYTHONPATH. Raises AssertionError with stdout and
+    stderr if the job exits non-zero.
+    """
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(nproc),
+        "--standalone",  # the agent binds a free port itself (no race between parallel jobs)
+        *args,
+    ]
+    child_env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    child_env["PYTHONPATH"] = REPO + os.pathsep + child_env.get("PYTHONPATH", "")
+    child_env.update(env or {})
+    proc = subprocess.run(
+        cmd, cwd=REPO, env=child_env, capture_output=True, text=True, timeout=timeout
+    )
+    if proc.returncode != 0:
+        raise AssertionError(
+            f"torchrun failed ({proc.returncode}): {' '.join(cmd)}\n--- stdout\n"
+            f"{proc.stdout[-6000:]}\n--- stderr\n{proc.stderr[-6000:]}"
+        )
+    return proc
