@@ -20,6 +20,7 @@ import time
 
 import torch
 
+from megatron_rl.actor.checkpoint import load_checkpoint, save_checkpoint
 from megatron_rl.actor.loading import build_module, resolve_model, save_hf
 from megatron_rl.actor.policy import build_policy
 from megatron_rl.algo.advantages import compute_advantages
@@ -102,10 +103,12 @@ def run(cfg: RLConfig) -> dict:
         return evaluate(engine, val, reward_fn, tok, cfg.reward, val_sampling,
                         tr.num_eval_examples, ps)
 
+    start = _maybe_resume(policy, data, engine, tr) if tr.resume else 0
+    engine.policy_version = start
     before = run_eval()
-    log.log(0, {f"eval/{k}": v for k, v in before.items()})
+    log.log(start, {f"eval/{k}": v for k, v in before.items()})
     t_start = time.perf_counter()
-    for step in range(1, tr.total_steps + 1):
+    for step in range(start + 1, tr.total_steps + 1):
         t0 = time.perf_counter()
         # 1. rollout + rewards (+ dynamic sampling: keep groups with a learning signal)
         ds = DynamicSamplingState(target=cfg.data.train_batch_size // ps.dp_size,
@@ -175,7 +178,7 @@ def run(cfg: RLConfig) -> dict:
             metrics.update({f"eval/{k}": v for k, v in run_eval().items()})
         log.log(step, metrics)
         if tr.save_interval and step % tr.save_interval == 0:
-            save_hf(policy.module, src, os.path.join(tr.output_dir, f"step_{step}"), ps)
+            _save_state(policy, src, data, engine, step, tr, ps)
     after = run_eval()
     log.log(tr.total_steps + 1, {f"eval/{k}": v for k, v in after.items()})
     log.close()
@@ -187,6 +190,40 @@ def run(cfg: RLConfig) -> dict:
             json.dump(result, f)
     destroy_parallel()
     return result
+
+
+def _checkpoint_root(tr) -> str:
+    return os.path.join(tr.output_dir, "checkpoints")
+
+
+def _save_state(policy, src, data, engine, step: int, tr, ps) -> None:
+    """Model + optimizer shards, LR schedule, data cursor, sampling RNG; written to `.tmp` then renamed, so an
+    interrupted save never replaces the previous checkpoint."""
+    final = os.path.join(_checkpoint_root(tr), f"step_{step:06d}")
+    tmp = final + ".tmp"
+    extra = {"step": step, "data": data.state_dict(), "scheduler": policy.scheduler.state_dict(),
+             "rng": engine.generator.get_state().tolist()}
+    save_checkpoint(policy.module, tmp, hf_config=src.hf_config, src_dir=src.weights_dir,
+                    optimizer=policy.optimizer, extra=extra)
+    if ps.rank == 0:
+        if src.weights_dir is None:
+            src.tokenizer.save_pretrained(tmp)
+        os.replace(tmp, final)
+    torch.distributed.barrier()
+
+
+def _maybe_resume(policy, data, engine, tr) -> int:
+    """Load the newest complete checkpoint under output_dir; returns its step (0 if none)."""
+    root = _checkpoint_root(tr)
+    done = sorted(d for d in os.listdir(root) if d.startswith("step_") and not d.endswith(".tmp")) \
+        if os.path.isdir(root) else []
+    if not done:
+        return 0
+    extra = load_checkpoint(policy.module, os.path.join(root, done[-1]), optimizer=policy.optimizer)
+    data.load_state_dict(extra["data"])
+    policy.scheduler.load_state_dict(extra["scheduler"])
+    engine.generator.set_state(torch.tensor(extra["rng"], dtype=torch.uint8))
+    return int(extra["step"])
 
 
 def _split(batch: TrainBatch, n: int) -> list[TrainBatch]:
