@@ -218,7 +218,7 @@ def build_optimizer(model, tcfg, ocfg: OptimizerConfig, total_optimizer_steps: i
         use_distributed_optimizer=ocfg.use_distributed_optimizer,
     )
     optimizer = get_megatron_optimizer(mcfg, [model], pg_collection=ps.pgs,
-                                       use_gloo_process_groups=ps.device.type == "cuda")
+                                       use_gloo_process_groups=False)
     total = max(1, total_optimizer_steps)
     scheduler = OptimizerParamScheduler(
         optimizer,

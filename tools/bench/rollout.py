@@ -66,6 +66,10 @@ def main() -> None:
     prompts = torch.randint(10, shape["vocab_size"], (args.prompts, args.prompt_len)).tolist()
     total_new = args.prompts * args.new
     out = []
+    t_setup = time.perf_counter()
+
+    def note(msg):
+        print(f"[rollout bench {time.perf_counter() - t_setup:.1f}s] {msg}", file=sys.stderr, flush=True)
 
     # --- megatron-rl built-in engine (weights copied from the same HF model) ---------------
     tmp = tempfile.mkdtemp()
@@ -78,14 +82,17 @@ def main() -> None:
     engine = LocalEngine(module, ps, pad_id=0, max_batch_size=args.prompts)
     sp = SamplingParams(temperature=1.0, max_new_tokens=args.new, stop_token_ids=[], seed=0,
                         logprobs=True)
+    note("megatron model built; warm-up")
     engine.generate(prompts[: min(8, args.prompts)], 1, SamplingParams(max_new_tokens=8))
     sync()
+    note("timing the built-in engine")
     t0 = time.perf_counter()
     samples = engine.generate(prompts, 1, sp)
     sync()
     ours = time.perf_counter() - t0
     assert sum(len(s.response_ids) for s in samples) == total_new
     ours_tps = total_new / ours
+    note(f"built-in engine: {ours_tps:.0f} tokens/s")
     del module, engine
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -103,6 +110,7 @@ def main() -> None:
             gen = hf_model.generate(ids, **kw)
             sync()
             hf_s = time.perf_counter() - t0
+        note(f"transformers: {total_new / hf_s:.0f} tokens/s")
         assert gen.shape[1] - args.prompt_len == args.new
         hf_tps = total_new / hf_s
 
