@@ -150,13 +150,21 @@ class SDPAttention(_CoreAttentionBase):
                 enable_gqa=hq != k.shape[1],
             )
         else:
-            # The memory-efficient kernel takes a mask but not enable_gqa: expand K/V instead.
-            if hq != k.shape[1]:
-                k = k.repeat_interleave(hq // k.shape[1], dim=1)
-                v = v.repeat_interleave(hq // v.shape[1], dim=1)
+            # The memory-efficient kernel takes a mask but not enable_gqa. Rather than copying
+            # K/V per query head (the whole KV cache, every decode step), fold the g query heads
+            # of each KV head into the query axis: [b, hkv, g*sq, d] against [b, hkv, sk, d],
+            # with the mask rows repeated g times (query head h = kv * g + j, as Megatron lays
+            # them out).
+            hkv = k.shape[1]
+            g = hq // hkv
+            if g > 1:
+                q = q.reshape(b, hkv, g * sq, d)
+                keep = keep.unsqueeze(2).expand(keep.shape[0], 1, g, sq, sk)
+                keep = keep.reshape(keep.shape[0], 1, g * sq, sk)
             out = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=keep, dropout_p=self._dropout(), scale=self.softmax_scale
             )
+            out = out.reshape(b, hq, sq, d)
         return out.permute(2, 0, 1, 3).reshape(sq, b, hq * d)
 
 
