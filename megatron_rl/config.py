@@ -404,6 +404,33 @@ class SFTOptions:
     loss: str = "auto"
     """auto (the model family picks: causal LM, masked diffusion or block diffusion)."""
 
+    diffusion_eps: float = 1e-3
+    """Diffusion LMs: floor of the mask ratio, p = (1 - eps) t + eps (ALGORITHMS.md C.0.3)."""
+
+    diffusion_pad_eos: int = 0
+    """Diffusion LMs: pad every response with EOS to at least this many tokens, trained on like
+    any response token (LLaDA SFT); 0 disables it."""
+
+    diffusion_mask_impl: str = "kernel"
+    """Block diffusion: the C.2 attention mask as the kernel-built BlockMask (kernel) or built
+    from the dense [L, L] mask (dense; for comparison only)."""
+
+    diffusion_sampler: dict = field(default_factory=dict)
+    """Diffusion LMs: overrides of the held-out sampler (rollout.diffusion.DiffusionSampling
+    fields, e.g. {block_size: 8, steps_per_block: 8, threshold: 0.9}); defaults by family."""
+
+    lora_rank: int = 0
+    """LoRA adapter rank on the tensor-parallel linears (megatron_rl.lora); 0 trains all weights.
+    The adapters are merged into the weights before the HF export."""
+
+    lora_alpha: float = 16.0
+    """LoRA scale numerator: the adapter output is multiplied by lora_alpha / lora_rank."""
+
+    lora_targets: list[str] = field(
+        default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
+    )
+    """Megatron linear names that get adapters (MoE expert linears are never adapted)."""
+
 
 # --------------------------------------------------------------------------------------------
 # Top level

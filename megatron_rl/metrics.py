@@ -67,7 +67,8 @@ class MetricsLogger:
 
             self.bar = tqdm(total=total_steps, initial=initial_step, desc="train", dynamic_ncols=True)
 
-    def log(self, step: int, metrics: dict[str, float]) -> None:
+    def log(self, step: int, metrics: dict[str, float], advance: bool = True) -> None:
+        """Append a row; `advance=False` for rows that are not a training step (evaluations)."""
         if not self.enabled:
             return
         row = {"step": step, **{k: float(v) for k, v in metrics.items()}}
@@ -82,8 +83,9 @@ class MetricsLogger:
                                ("throughput/tokens_per_s", "tok/s"), ("eval/pass_at_1", "pass@1")):
                 if key in metrics:
                     show[short] = f"{metrics[key]:.3g}"
-            self.bar.set_postfix(show, refresh=False)
-            self.bar.update(1)
+            self.bar.set_postfix(show, refresh=not advance)
+            if advance:
+                self.bar.update(1)
 
     def close(self) -> None:
         if self.bar is not None:

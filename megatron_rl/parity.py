@@ -67,25 +67,44 @@ def _run(args) -> int:
     hf_config = read_hf_config(args.hf)
     family = get_family(hf_config).name
     ids, lengths = _batch(hf_config["vocab_size"])
-    model = build_model(hf_config, ps, dtype=dtype, attention_backend="sdpa")
+    from megatron_rl.models.dllm import diffusion_spec
+
+    diffusion = diffusion_spec(hf_config) is not None  # run with the family's own mask
+    if diffusion:
+        from megatron.core.transformer.enums import AttnMaskType
+
+        from megatron_rl.models.dllm_hf import keep_mask
+
+        keep = keep_mask(hf_config, lengths, ids.shape[1])
+        model = build_model(hf_config, ps, dtype=dtype, attention_backend="sdpa",
+                            attn_mask_type=AttnMaskType.no_mask)
+        mask = ~keep[:, None]
+    else:
+        model = build_model(hf_config, ps, dtype=dtype, attention_backend="sdpa")
+        mask = padding_attention_mask(lengths, ids.shape[1])
     load_hf_weights(model, args.hf, ps, hf_config)
-    got = forward_logits(
-        model, ps, ids, attention_mask=padding_attention_mask(lengths, ids.shape[1])
-    ).cpu()
+    got = forward_logits(model, ps, ids, attention_mask=mask).cpu()
     del model
     code = 0
     if ps.rank == 0:
         import transformers
 
-        ref = transformers.AutoModelForCausalLM.from_pretrained(args.hf, dtype=dtype).to(ps.device)
-        ref.eval()
         mask = (torch.arange(ids.shape[1])[None] < lengths[:, None]).long()
         pos = torch.arange(ids.shape[1]).expand_as(ids)
+        if diffusion:  # the family's transformers backbone under the family's mask
+            from megatron_rl.models.dllm_hf import backbone
+
+            ref = backbone(args.hf, hf_config, dtype).to(ps.device)
+            ref_mask = torch.where(keep, 0.0, float("-inf")).to(dtype)[:, None]
+        else:
+            ref = transformers.AutoModelForCausalLM.from_pretrained(args.hf, dtype=dtype)
+            ref = ref.to(ps.device).eval()
+            ref_mask = mask
         with torch.no_grad():
             want = (
                 ref(
                     input_ids=ids.to(ps.device),
-                    attention_mask=mask.to(ps.device),
+                    attention_mask=ref_mask.to(ps.device),
                     position_ids=pos.to(ps.device),
                 )
                 .logits.float()

@@ -1,7 +1,8 @@
 """Supervised fine-tuning (`megatron-rl sft`): the warm start before RL.
 
 Examples are (prompt, response) pairs: the `prompt` / `response` columns of `data.train_files`,
-or, for a generated task, the prompt and its reference answer followed by EOS. The loss is the
+or, for a generated task, the prompt and its demonstration (`extra_info.response`, else the
+reference answer) followed by EOS. The loss is the
 token-mean negative log-likelihood of the response tokens only (the prompt is masked out), over
 all micro-batches and data-parallel ranks of a step. Ends with a held-out pass@1 (greedy) and an
 HF checkpoint in `<output_dir>/final` that `trainer.init_from` of an RL run reads.
@@ -22,6 +23,7 @@ from megatron_rl.cli import load_config, save_resolved, split_config_args
 from megatron_rl.config import SFTConfig
 from megatron_rl.data.prompts import PromptDataset, read_rows
 from megatron_rl.eval.accuracy import evaluate
+from megatron_rl.lora import apply_lora, merge_lora
 from megatron_rl.metrics import MetricsLogger
 from megatron_rl.models.dllm import diffusion_spec
 from megatron_rl.parallel import destroy_parallel, init_parallel
@@ -42,7 +44,10 @@ def sft_examples(cfg: SFTConfig, tok, prompts: PromptDataset) -> list[tuple[list
                 out.append((render_prompt(tok, row[cfg.data.prompt_key]),
                             list(tok.encode(str(row["response"]))) + [tok.eos_token_id]))
         return out
-    return [(p.prompt_ids, list(tok.encode(str(p.ground_truth))) + [tok.eos_token_id])
+    # A generated task's row may carry its own demonstration (extra_info.response); otherwise
+    # the reference answer is the demonstration.
+    return [(p.prompt_ids,
+             list(tok.encode(str(p.extra_info.get("response", p.ground_truth)))) + [tok.eos_token_id])
             for p in prompts.prompts]
 
 
@@ -66,6 +71,9 @@ def run(cfg: SFTConfig) -> dict:
         raise ValueError(f"config field `sft.batch_size`: {bs} must be a multiple of the DP size {ps.dp_size}")
     total = tr.total_steps or max(1, math.ceil(cfg.sft.epochs * len(examples) / bs))
     module, tcfg = build_module(src, ps, cfg.model)
+    if cfg.sft.lora_rank:
+        apply_lora(module, ps, rank=cfg.sft.lora_rank, alpha=cfg.sft.lora_alpha,
+                   targets=cfg.sft.lora_targets, seed=tr.seed)
     policy = build_policy(module, tcfg, ps, cfg.optimizer, total, tr.micro_batch_tokens,
                           pad_id=tok.pad_token_id)
     log = MetricsLogger(tr.output_dir, total, tensorboard=tr.tensorboard,
@@ -99,8 +107,9 @@ def run(cfg: SFTConfig) -> dict:
                               stop_token_ids=[tok.eos_token_id])
     ev = evaluate(engine, val, build_reward(reward_cfg, task), tok, reward_cfg, sampling,
                   tr.num_eval_examples, ps)
-    log.log(total + 1, {f"eval/{k}": v for k, v in ev.items()})
+    log.log(total + 1, {f"eval/{k}": v for k, v in ev.items()}, advance=False)
     log.close()
+    merge_lora(policy.module)
     save_hf(policy.module, src, os.path.join(tr.output_dir, "final"), ps)
     result = {"loss": loss, "exact_match": ev["pass_at_1"], "steps": total,
               "seconds": round(time.perf_counter() - t0, 1)}

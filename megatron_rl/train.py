@@ -106,7 +106,7 @@ def run(cfg: RLConfig) -> dict:
     start = _maybe_resume(policy, data, engine, tr) if tr.resume else 0
     engine.policy_version = start
     before = run_eval()
-    log.log(start, {f"eval/{k}": v for k, v in before.items()})
+    log.log(start, {f"eval/{k}": v for k, v in before.items()}, advance=False)
     t_start = time.perf_counter()
     for step in range(start + 1, tr.total_steps + 1):
         t0 = time.perf_counter()
@@ -180,7 +180,7 @@ def run(cfg: RLConfig) -> dict:
         if tr.save_interval and step % tr.save_interval == 0:
             _save_state(policy, src, data, engine, step, tr, ps)
     after = run_eval()
-    log.log(tr.total_steps + 1, {f"eval/{k}": v for k, v in after.items()})
+    log.log(tr.total_steps + 1, {f"eval/{k}": v for k, v in after.items()}, advance=False)
     log.close()
     save_hf(policy.module, src, os.path.join(tr.output_dir, "final"), ps)
     result = {"pass_at_1_before": before["pass_at_1"], "pass_at_1_after": after["pass_at_1"],

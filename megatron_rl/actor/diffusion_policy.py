@@ -9,6 +9,7 @@ log-softmax over unscored tokens, C.7).
 
     metrics = diffusion_train_step(policy, batches, normalizer)         # one optimizer step
     lps = diffusion_logprobs(policy, batches)   # [K] per batch, no grad: ELBO terms (old/ref)
+    elbos = sequence_elbo(policy, prompts, responses, corruptions, mask_id=m)  # [n] per sample
 
 Per C.0.4 the caller builds the batches from stored corruptions, so old, reference and current
 log-probs see identical masks. The loss is divided by the global `normalizer` (e.g. response
@@ -23,9 +24,12 @@ import math
 import torch
 
 from megatron_rl.actor.policy import Policy
+from megatron_rl.algo.dllm.elbo import Corruption
 from megatron_rl.algo.dllm.sft_loss import (
     PackedDiffusionBatch,
     attention_inputs,
+    block_diffusion_batch,
+    masked_diffusion_batch,
     scored_logprobs,
     weighted_nll,
 )
@@ -99,3 +103,32 @@ def diffusion_logprobs(
 
     _run(policy, batches, True, closure, mask_impl)
     return out
+
+
+@torch.no_grad()
+def sequence_elbo(
+    policy: Policy, prompts: list[list[int]], responses: list[list[int]],
+    corruptions: list[Corruption], *, mask_id: int, block_size: int = 0,
+    shift_logits: bool = False, mask_impl: str = "kernel",
+) -> torch.Tensor:
+    """[n] ELBO estimate of each response (C.0.2 / C.0.3) from its STORED corruption.
+
+    Draw k of every sample's `Corruption` is packed into one batch (masked diffusion, or the
+    [noisy | clean] layout when block_size > 0) and scored; the weighted sums are averaged over
+    draws. Called with the same corruptions for the old, reference and current policies, the
+    three estimates share their masks (common random numbers, C.0.4).
+    """
+    num = corruptions[0].num_draws
+    if any(c.num_draws != num for c in corruptions):
+        raise ValueError("every sample needs the same number of Monte-Carlo draws")
+    total = torch.zeros(len(responses), dtype=torch.float64)
+    for k in range(num):
+        args = (prompts, responses, [c.masked[k] for c in corruptions],
+                [c.weight[k] for c in corruptions])
+        if block_size:
+            b = block_diffusion_batch(*args, mask_id=mask_id, block_size=block_size)
+        else:
+            b = masked_diffusion_batch(*args, mask_id=mask_id, shift_logits=shift_logits)
+        (lp,) = diffusion_logprobs(policy, [b], mask_impl)
+        total.index_add_(0, b.sample_of, (lp * b.weights).double())
+    return total / num

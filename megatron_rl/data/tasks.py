@@ -31,10 +31,19 @@ def synthetic_arithmetic(
     min_digits: int = 1,
     max_digits: int = 2,
     mul_max_digits: int = 1,
+    teacher_repeat_rate: float = 0.0,
 ) -> list[dict]:
     """`num_examples` problems "a<op>b=" with operands of min_digits..max_digits digits (the
     second factor of a product has at most mul_max_digits digits, which keeps products learnable
-    by a tiny model). Subtraction orders operands so answers are non-negative."""
+    by a tiny model). Subtraction orders operands so answers are non-negative.
+
+    Each row also carries an SFT demonstration in `extra_info.response`. With
+    `teacher_repeat_rate` > 0 the demonstrations come from an imperfect teacher that, with that
+    probability, states the answer twice ("19 19"): the arithmetic is right, the verifier
+    rejects it. The quickstart uses this to show what the RL stage adds: SFT copies the
+    teacher's habit, GRPO with the exact-match verifier removes it."""
+    if not 0.0 <= teacher_repeat_rate <= 1.0:
+        raise ValueError(f"task_kwargs.teacher_repeat_rate: {teacher_repeat_rate} not in [0, 1]")
     _check_split(split)
     for op in ops:
         if op not in ("+", "-", "*"):
@@ -63,12 +72,13 @@ def synthetic_arithmetic(
         if is_val != (split == "val"):
             continue
         answer = {"+": a + b, "-": a - b, "*": a * b}[op]
+        response = f"{answer} {answer}" if rng.random() < teacher_repeat_rate else str(answer)
         rows.append(
             {
                 "prompt": prompt,
                 "reward_model": {"ground_truth": str(answer), "style": "rule"},
                 "data_source": "synthetic_arithmetic",
-                "extra_info": {"index": len(rows), "split": split},
+                "extra_info": {"index": len(rows), "split": split, "response": response},
             }
         )
     if len(rows) < num_examples:

@@ -25,8 +25,9 @@ def main(hf_dir: str, layout: str, out: str) -> None:
     ps = init_parallel(ParallelConfig(tensor_model_parallel_size=tp))
     hf = json.load(open(f"{hf_dir}/config.json"))
     module, tcfg = build_module(ModelSource(hf, None, hf_dir), ps, ModelConfig(dtype="fp32"))
-    policy = build_policy(module, tcfg, ps, OptimizerConfig(lr=1e-3, clip_grad=0.0),
-                          micro_batch_tokens=48)
+    policy = build_policy(
+        module, tcfg, ps, OptimizerConfig(lr=1e-3, clip_grad=0.0), micro_batch_tokens=48
+    )
     g = torch.Generator().manual_seed(0)
     lengths = [9, 14, 6, 11, 7, 13, 10, 8]
     seqs = [torch.randint(1, hf["vocab_size"], (n,), generator=g) for n in lengths]

@@ -9,7 +9,6 @@ agree, so the gradients (and Adam's update) are the same too.
 import json
 
 import pytest
-
 from helpers import make_tiny_hf, run_torchrun
 
 WORKER = "tests/distributed/actor_worker.py"

@@ -9,8 +9,8 @@ import json
 
 import pytest
 import torch
-
 from helpers import make_tiny_hf
+
 from megatron_rl.actor.loading import ModelSource, build_module
 from megatron_rl.actor.policy import build_policy
 from megatron_rl.config import ModelConfig
