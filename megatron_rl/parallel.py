@@ -72,19 +72,21 @@ def init_distributed(backend: str = "auto") -> tuple[int, int, torch.device]:
     from megatron_rl.patches import apply_patches
 
     apply_patches()
-    if "RANK" not in os.environ:  # a single plain process
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        dist.init_process_group(
-            backend=backend,
-            timeout=datetime.timedelta(minutes=int(os.environ.get("MEGATRON_RL_DIST_TIMEOUT", 30))),
-        )
+        timeout = datetime.timedelta(minutes=int(os.environ.get("MEGATRON_RL_DIST_TIMEOUT", 30)))
+        if "RANK" in os.environ:  # torchrun (or another launcher that sets the env:// variables)
+            dist.init_process_group(backend=backend, timeout=timeout)
+        else:
+            # A single plain process: a private TCP store on a free port. The environment is
+            # left untouched, so child processes (tests, tools) never inherit a port in use.
+            dist.init_process_group(
+                backend=backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
+                world_size=1, timeout=timeout,
+            )
     return dist.get_rank(), dist.get_world_size(), device
 
 
