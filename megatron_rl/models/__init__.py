@@ -12,6 +12,7 @@ from __future__ import annotations
 from megatron_rl.models.dream import DREAM
 from megatron_rl.models.family import ModelFamily
 from megatron_rl.models.llada import LLADA
+from megatron_rl.models.llada2 import LLADA2
 from megatron_rl.models.llama import LLAMA
 from megatron_rl.models.qwen2 import QWEN2
 from megatron_rl.models.qwen3 import QWEN3, QWEN3_MOE
@@ -26,6 +27,7 @@ MODEL_FAMILIES: dict[str, ModelFamily] = {
     "DreamModel": DREAM,
     "SDARForCausalLM": SDAR,
     "SDARMoeForCausalLM": SDAR_MOE,
+    "LLaDA2MoeModelLM": LLADA2,
 }
 """HF `architectures[0]` -> family."""
 

@@ -197,6 +197,7 @@ def build_model(
         share_embeddings_and_output_weights=bool(hf_config.get("tie_word_embeddings", False)),
         position_embedding_type="rope",
         rotary_base=_rotary_base(hf_config),
+        rotary_percent=float(hf_config.get("partial_rotary_factor") or 1.0),  # partial RoPE
         pg_collection=ps.pgs,
     )
     return model.to(device=ps.device)

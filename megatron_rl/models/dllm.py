@@ -1,7 +1,7 @@
 """Diffusion-LM metadata of the model families: which loss, sampler, mask token and block size.
 
 The Megatron mapping of a diffusion family (config translation, weight names) is an ordinary
-`ModelFamily` (models/llada.py, dream.py, sdar.py); what makes it a diffusion LM is data kept
+`ModelFamily` (models/llada.py, dream.py, sdar.py, llada2.py); what makes it a diffusion LM is data kept
 here, keyed like `MODEL_FAMILIES` by config.json `architectures[0]`:
 
     spec = diffusion_spec(hf_config)          # None for autoregressive families
@@ -44,6 +44,8 @@ DIFFUSION_SPECS: dict[str, DiffusionSpec] = {
                                      default_mask_token_id=151669, default_block_size=4),
     "SDARMoeForCausalLM": DiffusionSpec(kind="block", shift_logits=False, sampler="sdar",
                                         default_mask_token_id=151669, default_block_size=4),
+    "LLaDA2MoeModelLM": DiffusionSpec(kind="block", shift_logits=False, sampler="llada2",
+                                      default_mask_token_id=156895, default_block_size=32),
 }
 """HF `architectures[0]` -> diffusion metadata (absent: an autoregressive family)."""
 

@@ -9,10 +9,13 @@ The family (models/<family>.py) says which HF tensors make a Megatron tensor; th
 how they are fused and split, which depends only on Megatron's layout:
 - `linear_qkv` (weight and bias): per query group g, [q heads of g; k_g; v_g] stacked on dim 0;
   TP rank r holds query groups [r*G/tp, (r+1)*G/tp), which are contiguous rows of q/k/v_proj.
+  A family that maps it to one HF tensor (fused [q; k; v] rows, e.g. LLaDA2's
+  `query_key_value`) gets the same layout read from / written to row ranges of that tensor.
 - `linear_fc1` (SwiGLU): [gate; up] on dim 0; TP rank r holds [gate_r; up_r].
 - column parallel (`word_embeddings`, `output_layer`): dim 0 split; row parallel
   (`linear_proj`, `linear_fc2`): dim 1 split. Expert linears split over the expert-TP group.
-- everything else (norms, router) is replicated.
+- everything else (norms, router) is replicated; so are the persistent buffers that are part of
+  the checkpoint (`_CHECKPOINT_BUFFERS`: the router's expert-score correction bias).
 Pipeline stages hold layers `layer_number - 1` (global), EP ranks hold experts
 `local_expert_indices`; names are translated to global numbering before the family lookup.
 Loading opens each safetensors file with `safe_open` and reads slices (`get_slice`), so a rank
@@ -43,6 +46,8 @@ _TE_ALIASES = {
     "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
     "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
 }
+_CHECKPOINT_BUFFERS = ("mlp.router.expert_bias",)
+"""Layer-buffer suffixes that are model weights (loaded and exported like replicated tensors)."""
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _EXPERT_RE = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
 
@@ -90,7 +95,10 @@ def _params(model, hf_config: dict) -> list[_Param]:
     gated = model.config.gated_linear_unit
     tied = bool(hf_config.get("tie_word_embeddings", False))
     out = []
-    for local, param in model.named_parameters():
+    buffers = [
+        (n, b) for n, b in model.named_buffers() if n.endswith(_CHECKPOINT_BUFFERS) and b is not None
+    ]
+    for local, param in [*model.named_parameters(), *buffers]:
         name = local
         m = _LAYER_RE.match(local)
         expert = False
@@ -171,9 +179,15 @@ def _read_shard(p: _Param, hf_names, reader: _Reader, rank: int, size: int, cfg)
     d = cfg.kv_channels
     q_per_g = cfg.num_attention_heads // cfg.num_query_groups
     g0 = rank * groups
+    if len(slices) == 1:  # one fused HF tensor: rows [q (all heads); k; v]
+        k_off = cfg.num_attention_heads * d
+        offsets = (0, k_off, k_off + cfg.num_query_groups * d)
+        slices = slices * 3
+    else:
+        offsets = (0, 0, 0)
     q = _rows(slices[0], g0 * q_per_g * d, (g0 + groups) * q_per_g * d)
-    k = _rows(slices[1], g0 * d, (g0 + groups) * d)
-    v = _rows(slices[2], g0 * d, (g0 + groups) * d)
+    k = _rows(slices[1], offsets[1] + g0 * d, offsets[1] + (g0 + groups) * d)
+    v = _rows(slices[2], offsets[2] + g0 * d, offsets[2] + (g0 + groups) * d)
     tail = q.shape[1:]
     fused = torch.cat(
         [
@@ -234,8 +248,8 @@ def _unshard(p: _Param, ps: ParallelState) -> torch.Tensor:
     return torch.cat(parts, dim=0)  # column, qkv (groups are contiguous per rank)
 
 
-def _split(p: _Param, full: torch.Tensor, cfg) -> list[torch.Tensor]:
-    """Full Megatron tensor -> the HF tensors it fuses (in the family's order)."""
+def _split(p: _Param, full: torch.Tensor, cfg, n_hf: int) -> list[torch.Tensor]:
+    """Full Megatron tensor -> the `n_hf` HF tensors it fuses (in the family's order)."""
     if p.kind == "gated":
         return list(full.chunk(2, dim=0))
     if p.kind == "qkv":
@@ -244,7 +258,8 @@ def _split(p: _Param, full: torch.Tensor, cfg) -> list[torch.Tensor]:
         tail = full.shape[1:]
         x = full.reshape(g, (q_per_g + 2) * d, *tail)
         q, k, v = x.split([q_per_g * d, d, d], dim=1)
-        return [t.reshape(-1, *tail) for t in (q, k, v)]
+        parts = [t.reshape(-1, *tail) for t in (q, k, v)]
+        return [torch.cat(parts)] if n_hf == 1 else parts
     return [full]
 
 
@@ -285,7 +300,7 @@ def iter_hf_tensors(
             if not _owner(p, ps):
                 continue
             names = family.hf_names(hf_config, p.name)
-            for n, t in zip(names, _split(p, full, cfg)):
+            for n, t in zip(names, _split(p, full, cfg, len(names)), strict=True):
                 owned[n] = t.to("cpu", copy=True).contiguous()
         if gathered_world:
             received = [None] * dist.get_world_size() if dist.get_rank() == 0 else None

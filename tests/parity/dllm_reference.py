@@ -7,6 +7,8 @@ under an explicit keep mask (True = may attend) -- bidirectional for LLaDA / Dre
 or the C.2 [noisy | clean] mask for SDAR --, SwiGLU MLP or a softmax top-k MoE (Qwen3-MoE /
 SDAR-30B-A3B), final RMSNorm and LM head. Dream's one-position logit shift (C.0.5) is applied by
 callers, not here (the network's logits are unshifted).
+`llada2_reference_logits` (same arguments) is LLaDA2's BailingMoeV2 layout (models/llada2.py):
+fused QKV, partial RoPE, sigmoid group-limited MoE with expert bias and a shared expert.
 Also used by the TP=2 worker (tests/parity/_dllm_tp_worker.py).
 """
 
@@ -164,3 +166,74 @@ def two_copy_keep(n: int, block_size: int) -> torch.Tensor:
     c, b = i >= n, (i % n) // block_size
     cq, ck, bq, bk = c[:, None], c[None, :], b[:, None], b[None, :]
     return ((bq == bk) & (cq == ck)) | ((bq > bk) & ck & ~cq) | ((bq >= bk) & ck & cq)
+
+
+def _rope_partial(x, pos, theta, rot):
+    """Partial RoPE: rotate-half RoPE on the first `rot` channels of each head, rest passed."""
+    return torch.cat([_rope(x[..., :rot], pos, theta), x[..., rot:]], -1)
+
+
+def _swiglu(x, g, u, d):
+    return (torch.nn.functional.silu(x @ g.T) * (x @ u.T)) @ d.T
+
+
+def _llada2_moe(sd, p, x, hf):
+    """LLaDA2 MoE block: sigmoid router, bias-corrected group-limited top-k selection, weights =
+    renormalized sigmoid scores x routed_scaling_factor, plus the shared experts."""
+    e_n, k = hf["num_experts"], hf["num_experts_per_tok"]
+    groups, kg = hf.get("n_group") or 1, hf.get("topk_group") or 1
+    scores = (x @ sd[p + "mlp.gate.weight"].T).sigmoid()
+    choice = scores + sd[p + "mlp.gate.expert_bias"]
+    group_score = choice.view(-1, groups, e_n // groups).topk(k // kg, -1)[0].sum(-1)
+    keep_g = torch.zeros_like(group_score).scatter(1, group_score.topk(kg, -1)[1], 1.0)
+    keep_e = keep_g.repeat_interleave(e_n // groups, -1).bool()
+    idx = choice.masked_fill(~keep_e, float("-inf")).topk(k, -1)[1]
+    w = scores.gather(1, idx)
+    w = w / (w.sum(-1, keepdim=True) + 1e-20) * hf.get("routed_scaling_factor", 1.0)
+    out = torch.zeros_like(x)
+    for e in range(e_n):
+        q = p + f"mlp.experts.{e}."
+        y = _swiglu(x, *(sd[q + f"{n}_proj.weight"] for n in ("gate", "up", "down")))
+        out += (w * (idx == e)).sum(-1, keepdim=True) * y
+    if hf.get("num_shared_experts"):
+        q = p + "mlp.shared_experts."
+        out += _swiglu(x, *(sd[q + f"{n}_proj.weight"] for n in ("gate", "up", "down")))
+    return out
+
+
+@torch.no_grad()
+def llada2_reference_logits(
+    sd: dict, hf: dict, ids: torch.Tensor, pos: torch.Tensor, keep: torch.Tensor
+) -> torch.Tensor:
+    """LLaDA2 (BailingMoeV2 layout, models/llada2.py) logits [s, V] of ids [s] at positions pos
+    under keep [s, s]: fused [q; k; v] projection, per-head q/k RMSNorm, partial RoPE on the first
+    head_dim * partial_rotary_factor channels, dense SwiGLU for the first first_k_dense_replace
+    layers, then the sigmoid group-limited MoE with shared experts."""
+    h, kv = hf["num_attention_heads"], hf["num_key_value_heads"]
+    d = hf.get("head_dim") or hf["hidden_size"] // h
+    rot = int(d * hf.get("partial_rotary_factor", 1.0))
+    eps, theta = hf.get("rms_norm_eps", 1e-6), hf.get("rope_theta", 10000.0)
+    x = sd["model.word_embeddings.weight"][ids].float()
+    s = ids.shape[0]
+    bias = torch.where(keep, 0.0, float("-inf"))
+    for i in range(hf["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        y = _rms(x, sd[p + "input_layernorm.weight"], eps)
+        qkv = y @ sd[p + "attention.query_key_value.weight"].T
+        q, k, v = qkv.split([h * d, kv * d, kv * d], -1)
+        q, k, v = q.view(s, h, d), k.view(s, kv, d), v.view(s, kv, d)
+        q = _rms(q, sd[p + "attention.query_layernorm.weight"], eps)
+        k = _rms(k, sd[p + "attention.key_layernorm.weight"], eps)
+        q, k = _rope_partial(q, pos, theta, rot), _rope_partial(k, pos, theta, rot)
+        k, v = k.repeat_interleave(h // kv, 1), v.repeat_interleave(h // kv, 1)
+        att = (torch.einsum("qhd,khd->hqk", q, k) / d**0.5 + bias).softmax(-1)
+        x = x + torch.einsum("hqk,khd->qhd", att, v).reshape(s, h * d) @ sd[
+            p + "attention.dense.weight"
+        ].T
+        y = _rms(x, sd[p + "post_attention_layernorm.weight"], eps)
+        if i < (hf.get("first_k_dense_replace") or 0):
+            x = x + _swiglu(y, *(sd[p + f"mlp.{n}_proj.weight"] for n in ("gate", "up", "down")))
+        else:
+            x = x + _llada2_moe(sd, p, y, hf)
+    head = "model.word_embeddings.weight" if hf.get("tie_word_embeddings") else "lm_head.weight"
+    return _rms(x, sd["model.norm.weight"], eps) @ sd[head].T

@@ -6,7 +6,8 @@ Chain proven (fp32, CPU):
    `models.weights.load_hf_weights` loads into Megatron (LLaDA's own names, Dream = Qwen2 names,
    SDAR = Qwen3 dense / MoE names). Megatron's logits agree within 1e-4 for
    - LLaDA / Dream: bidirectional attention over right-padded rows (pad keys masked);
-   - SDAR / SDAR-MoE: the block-causal inference mask, and the packed [noisy | clean] training
+   - SDAR / SDAR-MoE / LLaDA2 (MoE, fused QKV, partial RoPE, sigmoid group-limited router with
+     expert bias, shared expert): the block-causal inference mask, and the packed [noisy | clean] training
      layout (THD, RoPE restarting per half, the kernel BlockMask of C.2) against the reference
      run at positions [0..N-1, 0..N-1] with the C.2 mask written out from the rule.
 2. The reference itself is pinned to transformers: for the Qwen2 / Qwen3 backbones the
@@ -22,19 +23,116 @@ import sys
 
 import pytest
 import torch
-from dllm_reference import block_causal_keep, reference_logits, two_copy_keep
+from dllm_reference import (
+    block_causal_keep,
+    llada2_reference_logits,
+    reference_logits,
+    two_copy_keep,
+)
 from helpers import REPO, make_tiny_hf, run_torchrun
 from safetensors.torch import load_file, save_file
 
-FAMILIES = ["llada", "dream", "sdar", "sdar_moe"]
+FAMILIES = ["llada", "dream", "sdar", "sdar_moe", "llada2"]
 LENGTHS = [12, 8]
 BLOCK = 4
+
+
+LLADA2 = dict(
+    architectures=["LLaDA2MoeModelLM"],
+    model_type="llada2_moe",
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    moe_intermediate_size=16,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    partial_rotary_factor=0.5,
+    rope_theta=600000.0,
+    rms_norm_eps=1e-6,
+    num_experts=16,
+    num_experts_per_tok=4,
+    num_shared_experts=1,
+    n_group=4,
+    topk_group=2,
+    routed_scaling_factor=2.5,
+    first_k_dense_replace=1,
+    score_function="sigmoid",
+    moe_router_enable_expert_bias=True,
+    norm_topk_prob=True,
+    use_qk_norm=True,
+    use_qkv_bias=False,
+    use_bias=False,
+    hidden_act="silu",
+    tie_word_embeddings=False,
+    max_position_embeddings=256,
+    mask_token_id=127,
+    block_size=BLOCK,
+)
+"""A tiny LLaDA2.0-mini-shaped config (no transformers class: written by hand)."""
+
+
+def llada2_state(hf: dict, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random LLaDA2 tensors with the released names (norms ~1, rest N(0, 0.05), expert bias
+    N(0, 0.1) so that it changes which experts are chosen)."""
+    h, kv, d, e = (hf[k] for k in ("hidden_size", "num_key_value_heads", "head_dim", "num_experts"))
+    qkv_rows = (hf["num_attention_heads"] + 2 * kv) * d
+    ffn, moe = hf["intermediate_size"], hf["moe_intermediate_size"]
+    shapes = {
+        "model.word_embeddings.weight": (hf["vocab_size"], h),
+        "model.norm.weight": (h,),
+        "lm_head.weight": (hf["vocab_size"], h),
+    }
+    for i in range(hf["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "input_layernorm.weight": (h,),
+            p + "attention.query_key_value.weight": (qkv_rows, h),
+            p + "attention.query_layernorm.weight": (d,),
+            p + "attention.key_layernorm.weight": (d,),
+            p + "attention.dense.weight": (h, hf["num_attention_heads"] * d),
+            p + "post_attention_layernorm.weight": (h,),
+        })
+        mlps = {"mlp.": ffn} if i < hf["first_k_dense_replace"] else {
+            **{f"mlp.experts.{x}.": moe for x in range(e)},
+            "mlp.shared_experts.": moe * hf["num_shared_experts"],
+        }
+        for m, width in mlps.items():
+            shapes.update({p + m + "gate_proj.weight": (width, h),
+                           p + m + "up_proj.weight": (width, h),
+                           p + m + "down_proj.weight": (h, width)})
+        if i >= hf["first_k_dense_replace"]:
+            shapes[p + "mlp.gate.weight"] = (e, h)
+            shapes[p + "mlp.gate.expert_bias"] = (e,)
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for k, s in shapes.items():
+        if k.endswith("expert_bias"):
+            out[k] = 0.1 * torch.randn(s, generator=g)
+        elif len(s) == 1:
+            out[k] = 1 + 0.1 * torch.randn(s, generator=g)
+        else:
+            out[k] = 0.05 * torch.randn(s, generator=g)
+    return out
+
+
+def _block(hf: dict) -> bool:
+    return hf["architectures"][0].startswith("SDAR") or hf["architectures"][0].startswith("LLaDA2")
+
+
+def _reference(hf: dict):
+    return llada2_reference_logits if hf["architectures"][0].startswith("LLaDA2") else reference_logits
 
 
 def make_family(family: str, out_dir) -> str:
     """A tiny random HF checkpoint of a diffusion family (config.json + model.safetensors)."""
     out_dir = str(out_dir)
-    if family == "llada":
+    if family == "llada2":
+        os.makedirs(out_dir, exist_ok=True)
+        hf = dict(LLADA2)
+        save_file(llada2_state(hf), os.path.join(out_dir, "model.safetensors"))
+    elif family == "llada":
         os.makedirs(out_dir, exist_ok=True)
         hf = dict(
             architectures=["LLaDAModelLM"],
@@ -102,7 +200,7 @@ def inputs(hf: dict):
     s = max(LENGTHS)
     ids = torch.zeros(len(LENGTHS), s, dtype=torch.long)
     keep = torch.zeros(len(LENGTHS), s, s, dtype=torch.bool)
-    block = hf["architectures"][0].startswith("SDAR")
+    block = _block(hf)
     for r, n in enumerate(LENGTHS):
         ids[r, :n] = torch.randint(1, 127, (n,), generator=g)
         keep[r, :n, :n] = block_causal_keep(n, BLOCK) if block else True
@@ -116,16 +214,16 @@ def expected(path: str, hf: dict):
     ids, _ = inputs(hf)
     rows = []
     for r, n in enumerate(LENGTHS):
-        block = hf["architectures"][0].startswith("SDAR")
+        block = _block(hf)
         keep = block_causal_keep(n, BLOCK) if block else torch.ones(n, n, dtype=torch.bool)
-        rows.append(reference_logits(sd, hf, ids[r, :n], torch.arange(n), keep))
+        rows.append(_reference(hf)(sd, hf, ids[r, :n], torch.arange(n), keep))
     two = []
-    if hf["architectures"][0].startswith("SDAR"):
+    if _block(hf):
         for r, n in enumerate(LENGTHS):
             x = torch.cat([ids[r, :n], ids[r, :n]])
             x[:n][torch.arange(n) % 3 == 1] = 127  # some noisy tokens masked
             two.append(
-                reference_logits(sd, hf, x, torch.arange(n).repeat(2), two_copy_keep(n, BLOCK))
+                _reference(hf)(sd, hf, x, torch.arange(n).repeat(2), two_copy_keep(n, BLOCK))
             )
     return rows, two
 
@@ -145,7 +243,7 @@ def megatron_logits(path: str, hf: dict, ps):
     out = forward_logits(model, ps, ids, attention_mask=~keep[:, None])
     rows = [out[r, :n] for r, n in enumerate(LENGTHS)]
     two = []
-    if hf["architectures"][0].startswith("SDAR"):
+    if _block(hf):
         resp = [ids[r, :n].tolist() for r, n in enumerate(LENGTHS)]
         masked = [torch.arange(n) % 3 == 1 for n in LENGTHS]
         b = block_diffusion_batch(
@@ -177,7 +275,7 @@ def test_dllm_logit_parity_fp32(family, tmp_path, single_rank):
     got_rows, got_two = megatron_logits(path, hf, single_rank)
     assert _max_diff(got_rows, want_rows) <= 1e-4
     assert _max_diff(got_two, want_two) <= 1e-4
-    assert len(got_two) == (2 if family.startswith("sdar") else 0)
+    assert len(got_two) == (2 if family.startswith(("sdar", "llada2")) else 0)
 
 
 @pytest.mark.parametrize("family", ["dream", "sdar", "sdar_moe"])
@@ -213,7 +311,7 @@ def test_reference_matches_transformers_backbone(family, tmp_path):
 
 
 def test_dllm_logit_parity_tp2(tmp_path):
-    """All four families at TP=2 (two gloo ranks) against the references."""
+    """All five families at TP=2 (two gloo ranks) against the references."""
     paths = [make_family(f, tmp_path / f) for f in FAMILIES]
     out = tmp_path / "tp2.pt"
     run_torchrun(
@@ -248,6 +346,67 @@ def test_llada_convert_round_trip_is_bit_identical(tmp_path):
             got.update(load_file(str(tmp_path / "hf2" / name)))
     assert sorted(got) == sorted(want)
     assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_llada2_hf_megatron_hf_round_trip_is_bit_identical(tmp_path, single_rank):
+    """HF safetensors -> Megatron -> HF keeps LLaDA2's names and bits: the fused
+    `query_key_value` is split into Megatron's per-group layout and re-fused, the router's
+    `expert_bias` (a Megatron buffer) travels with the weights."""
+    from megatron_rl.models.builder import build_model
+    from megatron_rl.models.weights import load_hf_weights, save_hf_weights
+
+    src = make_family("llada2", tmp_path / "hf")
+    hf = dict(LLADA2)
+    model = build_model(hf, single_rank)
+    load_hf_weights(model, src, single_rank, hf)
+    bias = model.decoder.layers[1].mlp.router.expert_bias
+    want = load_file(os.path.join(src, "model.safetensors"))
+    assert torch.equal(bias, want["model.layers.1.mlp.gate.expert_bias"])
+    save_hf_weights(model, single_rank, hf, str(tmp_path / "out"))
+    got = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert sorted(got) == sorted(want)
+    for name, t in want.items():
+        assert got[name].dtype == t.dtype and torch.equal(got[name], t), name
+
+
+def test_llada2_config_translation_and_names():
+    from megatron_rl.models import get_family
+    from megatron_rl.models.dllm import block_size, diffusion_spec, mask_token_id
+
+    fam = get_family(LLADA2)
+    cfg = fam.transformer_config(LLADA2)
+    assert cfg["moe_router_score_function"] == "sigmoid" and cfg["moe_router_enable_expert_bias"]
+    assert (cfg["moe_router_num_groups"], cfg["moe_router_group_topk"]) == (4, 2)
+    assert cfg["moe_router_topk_scaling_factor"] == 2.5 and cfg["qk_layernorm"]
+    assert cfg["moe_shared_expert_intermediate_size"] == 16 and cfg["moe_layer_freq"] == [0, 1, 1]
+    assert fam.hf_names(LLADA2, "decoder.layers.0.self_attention.linear_qkv.weight") == (
+        "model.layers.0.attention.query_key_value.weight",
+    )
+    spec = diffusion_spec(LLADA2)
+    assert (spec.kind, spec.sampler) == ("block", "llada2")
+    assert mask_token_id(LLADA2) == 127 and block_size(LLADA2) == BLOCK
+    bare = {k: v for k, v in LLADA2.items() if k not in ("mask_token_id", "block_size")}
+    assert block_size(bare) == 32
+
+
+@pytest.mark.parametrize(
+    ("change", "ep", "field"),
+    [
+        ({}, 3, "num_experts"),  # EP = 3 does not divide 16 experts
+        ({"n_group": 3}, 1, "n_group"),
+        ({"norm_topk_prob": False}, 1, "norm_topk_prob"),
+        ({"use_qkv_bias": True}, 1, "use_qkv_bias"),
+    ],
+)
+def test_llada2_bad_inputs_name_the_field(change, ep, field):
+    from megatron_rl.models.builder import validate
+    from megatron_rl.parallel import ParallelState
+
+    ps = ParallelState(pgs=None, device=torch.device("cpu"), rank=0, world_size=ep, tp_size=1,
+                       tp_rank=0, pp_size=1, pp_rank=0, ep_size=ep, ep_rank=0, cp_size=1,
+                       dp_size=1, dp_rank=0)
+    with pytest.raises(ValueError, match=f"`{field}`"):
+        validate({**LLADA2, **change}, ps)
 
 
 if __name__ == "__main__":  # pragma: no cover
