@@ -206,8 +206,7 @@ def _save_state(policy, src, data, engine, step: int, tr, ps) -> None:
     save_checkpoint(policy.module, tmp, hf_config=src.hf_config, src_dir=src.weights_dir,
                     optimizer=policy.optimizer, extra=extra)
     if ps.rank == 0:
-        if src.weights_dir is None:
-            src.tokenizer.save_pretrained(tmp)
+        src.tokenizer.save_pretrained(tmp)
         os.replace(tmp, final)
     torch.distributed.barrier()
 

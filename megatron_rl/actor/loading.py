@@ -82,7 +82,7 @@ def save_hf(module, src: ModelSource, out_dir: str, ps: ParallelState) -> None:
     from megatron_rl.models.weights import save_hf_weights
 
     save_hf_weights(module, ps, src.hf_config, out_dir, src_dir=src.weights_dir)
-    if ps.rank == 0 and src.weights_dir is None:
+    if ps.rank == 0:  # the tokenizer in use, whatever it came from (HF folder or built-in)
         src.tokenizer.save_pretrained(out_dir)
     if dist.is_initialized():
         dist.barrier()

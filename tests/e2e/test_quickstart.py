@@ -47,3 +47,7 @@ def test_quickstart_short_reward_trend_up(tmp_path):
     evals = [r for r in rows if "eval/pass_at_1" in r]
     assert evals[0]["eval/num_examples"] == evals[-1]["eval/num_examples"] > 0
     assert 0.0 <= result["pass_at_1_before"] <= 1.0 and 0.0 <= result["pass_at_1_after"] <= 1.0
+    # the RL output is a complete checkpoint (weights + tokenizer): `eval` reproduces pass@1
+    ev = cli("eval", "--config", f"{REPO}/examples/quickstart/grpo.yaml",
+             f"trainer.init_from={grpo}/final", cwd=tmp_path)
+    assert ev["pass_at_1"] == pytest.approx(result["pass_at_1_after"])
