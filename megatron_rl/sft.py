@@ -20,7 +20,7 @@ import torch
 from megatron_rl.actor.loading import build_module, resolve_model, save_hf
 from megatron_rl.actor.policy import build_policy
 from megatron_rl.cli import load_config, save_resolved, split_config_args
-from megatron_rl.config import SFTConfig
+from megatron_rl.config import RewardConfig, SFTConfig
 from megatron_rl.data.prompts import PromptDataset, read_rows
 from megatron_rl.eval.accuracy import evaluate
 from megatron_rl.lora import apply_lora, merge_lora
@@ -101,9 +101,9 @@ def run(cfg: SFTConfig) -> dict:
     engine = LocalEngine(policy.module, ps, pad_id=tok.pad_token_id, tokenizer=tok)
     val = PromptDataset.from_config(cfg.data, tokenizer=tok, seed=tr.seed, split="val",
                                     dp_rank=ps.dp_rank, dp_size=ps.dp_size)
-    reward_cfg = _reward_cfg()
+    reward_cfg = RewardConfig()  # eval scores with the task's own verifier, default scale
     task = "" if cfg.data.train_files else cfg.data.task
-    sampling = SamplingParams(temperature=0.0, max_new_tokens=_max_answer_tokens(examples),
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=max(len(r) for _, r in examples) + 4,
                               stop_token_ids=[tok.eos_token_id])
     ev = evaluate(engine, val, build_reward(reward_cfg, task), tok, reward_cfg, sampling,
                   tr.num_eval_examples, ps)
@@ -115,16 +115,6 @@ def run(cfg: SFTConfig) -> dict:
               "seconds": round(time.perf_counter() - t0, 1)}
     destroy_parallel()
     return result
-
-
-def _reward_cfg():
-    from megatron_rl.config import RewardConfig
-
-    return RewardConfig()
-
-
-def _max_answer_tokens(examples) -> int:
-    return max(len(r) for _, r in examples) + 4
 
 
 def main(argv: list[str]) -> int:

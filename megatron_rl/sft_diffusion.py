@@ -68,7 +68,8 @@ def micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
 
 
 def run_diffusion_sft(cfg: SFTConfig, src: ModelSource, ps: ParallelState) -> dict:
-    from megatron_rl.sft import _reward_cfg, sft_examples
+    from megatron_rl.config import RewardConfig
+    from megatron_rl.sft import sft_examples
 
     tr, hf, tok = cfg.trainer, src.hf_config, src.tokenizer
     spec = diffusion_spec(hf)
@@ -121,7 +122,7 @@ def run_diffusion_sft(cfg: SFTConfig, src: ModelSource, ps: ParallelState) -> di
                              tokenizer=tok, seed=tr.seed)
     val = PromptDataset.from_config(cfg.data, tokenizer=tok, seed=tr.seed, split="val",
                                     dp_rank=ps.dp_rank, dp_size=ps.dp_size)
-    reward_cfg = _reward_cfg()
+    reward_cfg = RewardConfig()
     task = "" if cfg.data.train_files else cfg.data.task
     sampling = SamplingParams(temperature=0.0, max_new_tokens=gen_len,
                               stop_token_ids=[tok.eos_token_id])
