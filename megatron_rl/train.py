@@ -131,6 +131,7 @@ def run(cfg: RLConfig) -> dict:
                 # all-equal groups carry zero advantage: training on them is a no-op, not an error
                 kept = ds.take() or groups
                 break
+        engine.sleep()  # free the KV cache and decode graphs for training (colocated)
         samples = [s for g in kept for s in g.samples]
         # 2. advantages
         rewards = torch.tensor([s.reward for s in samples])

@@ -2,30 +2,37 @@
 
 No copy and no weight sync: the engine holds a reference to the policy's GPTModel, so every
 optimizer step is visible to the next `generate`. Generation is tensor-parallel aware (the
-vocabulary-parallel logits are gathered, one TP rank samples and broadcasts the tokens) and
-uses Megatron's static KV cache (`StaticInferenceContext`):
+vocabulary-parallel logits are gathered, one TP rank samples and broadcasts the tokens).
 
-* prompts are left-padded to a common length; padded key positions are masked out and, since
-  RoPE scores depend only on the distance between query and key, a left-padded sample sees
-  exactly the logits it would see alone;
-* one prefill forward, then one decode forward per new token over the whole batch;
-* sampling: temperature, top-k, top-p; stop token ids and stop strings; `max_new_tokens`;
-* the per-token log-prob of each sampled token is that of the temperature-scaled policy
-  (before top-k/top-p truncation), which is what the actor recomputes as pi_old.
+Two decoders behind the same `generate`:
 
-Requests beyond `max_batch_size` run in successive waves. Pipeline parallelism is not
-supported by this engine (a clear error); use the SGLang engine for PP > 1.
+* `decoder="lean"` (the default, `auto`): `rollout.decoder.LeanDecoder` -- an engine-owned
+  [layers, slots, kv_heads, len, d] KV cache, a CUDA-graphed decode step on GPU, and continuous
+  batching: `max_batch_size` slots decode together, a slot whose sample finished is refilled
+  from the waiting requests (prefilled in length-sorted chunks) while the others go on.
+* `decoder="megatron"`: the slow reference. Megatron's own forward with its static KV cache
+  (`StaticInferenceContext`): prompts left-padded to a common length (RoPE scores depend only
+  on query-key distance, so a left-padded sample sees exactly its own logits), one prefill, one
+  full-model decode forward per token, requests beyond `max_batch_size` in successive waves.
+
+Both sample the same way: temperature, top-k, top-p; stop token ids and stop strings;
+`max_new_tokens`; the per-token log-prob of each sampled token is that of the temperature-scaled
+policy (before top-k/top-p truncation), which is what the actor recomputes as pi_old.
+Pipeline parallelism is not supported by this engine (a clear error); use SGLang for PP > 1.
 """
 
 from __future__ import annotations
 
 import itertools
+from collections import deque
 from collections.abc import Iterable
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from megatron_rl.parallel import ParallelState
+from megatron_rl.rollout.decoder import LeanDecoder, length_bucket
 from megatron_rl.rollout.engine import SamplingParams
 from megatron_rl.types import Sample
 
@@ -63,12 +70,19 @@ class LocalEngine:
         max_batch_size: int = 256,
         tokenizer=None,
         seed: int = 0,
+        decoder: str = "auto",
+        cuda_graphs: bool | None = None,
+        prefill_tokens: int = 65536,
     ):
+        """decoder: auto | lean | megatron (see the module docstring); cuda_graphs: None = on
+        for dense models on CUDA; prefill_tokens: most (padded) prompt tokens per prefill."""
         if ps.pp_size > 1:
             raise ValueError(
                 "config field `rollout.engine`: the built-in engine does not support pipeline "
                 "parallelism (parallel.pipeline_model_parallel_size > 1); use rollout.engine=sglang"
             )
+        if decoder not in ("auto", "lean", "megatron"):
+            raise ValueError(f"LocalEngine decoder: {decoder!r} not in auto | lean | megatron")
         self.module = module
         self.ps = ps
         self.pad_id = pad_id
@@ -78,15 +92,20 @@ class LocalEngine:
         self._ids = itertools.count()
         self._aborted: set[str] = set()
         self.policy_version = 0
+        self.decoder_kind = "lean" if decoder == "auto" else decoder
+        self.prefill_tokens = prefill_tokens
+        self._lean = LeanDecoder(module, ps, cuda_graphs) if self.decoder_kind == "lean" else None
 
     # -- protocol --------------------------------------------------------------------------
     def abort(self, sample_ids: Iterable[str]) -> None:
         self._aborted.update(sample_ids)
 
-    def sleep(self) -> None:  # the static KV cache lives only inside `generate`
-        pass
+    def sleep(self) -> None:
+        """Free the KV cache and CUDA graphs (the weights are the actor's and stay)."""
+        if self._lean is not None:
+            self._lean.release()
 
-    def wake(self) -> None:
+    def wake(self) -> None:  # the cache is re-allocated by the next `generate`
         pass
 
     @torch.no_grad()
@@ -94,12 +113,17 @@ class LocalEngine:
         if sampling.seed is not None:
             self.generator.manual_seed(sampling.seed)
         requests = [p for p in prompts for _ in range(n)]
+        if any(len(p) == 0 for p in requests):
+            raise ValueError("empty prompt given to the rollout engine")
         out: list[Sample] = []
         was_training = self.module.training
         self.module.eval()
         try:
-            for s in range(0, len(requests), self.max_batch_size):
-                out += self._generate_wave(requests[s : s + self.max_batch_size], sampling)
+            if self._lean is not None:
+                out = self._generate_continuous(requests, sampling)
+            else:
+                for s in range(0, len(requests), self.max_batch_size):
+                    out += self._generate_wave(requests[s : s + self.max_batch_size], sampling)
         finally:
             self.module.train(was_training)
         self._aborted.clear()
@@ -204,3 +228,114 @@ class LocalEngine:
             )
             for p, r, lp, fr, sid in zip(prompts, responses, logprobs, reasons, ids)
         ]
+
+    # -- continuous batching on the lean decoder ----------------------------------------------
+    def _slots_for(self, n_requests: int) -> int:
+        """Slot count: max_batch_size, or the next power of two >= the request count (so CUDA
+        graphs are reused across calls of similar size)."""
+        if n_requests >= self.max_batch_size:
+            return self.max_batch_size
+        return min(self.max_batch_size, 1 << (n_requests - 1).bit_length())
+
+    def _generate_continuous(self, requests: list[list[int]], sp: SamplingParams) -> list[Sample]:
+        dec, dev = self._lean, self.ps.device
+        n_req, max_new = len(requests), sp.max_new_tokens
+        B = self._slots_for(n_req)
+        dec.check_weights()
+        dec.allocate(B, length_bucket(max(len(p) for p in requests) + max_new, 1 << 30))
+        ids = [f"s{next(self._ids)}" for _ in range(n_req)]
+        gen_tok = torch.zeros(B, max_new, dtype=torch.long, device=dev)
+        gen_lp = torch.zeros(B, max_new, dtype=torch.float32, device=dev)
+        count_dev = torch.zeros(B, dtype=torch.long, device=dev)
+        active_dev = torch.zeros(B, dtype=torch.long, device=dev)
+        slot_ix = torch.arange(B, device=dev)
+        stop_ids = torch.tensor(sorted(set(sp.stop_token_ids)) or [-1], device=dev)
+        host_tokens = bool(sp.stop)  # stop strings need the text of every response each step
+        slot_req = np.full(B, -1)
+        count = np.zeros(B, dtype=np.int64)
+        pos = np.zeros(B, dtype=np.int64)
+        texts: list[list[int]] = [[] for _ in range(B)]
+        results: list[Sample | None] = [None] * n_req
+        queue = deque(range(n_req))
+
+        def finish(slot: int, reason: str) -> None:
+            r, k = int(slot_req[slot]), int(count[slot])
+            results[r] = Sample(
+                prompt_ids=list(requests[r]),
+                response_ids=gen_tok[slot, :k].tolist(),
+                response_logprobs=gen_lp[slot, :k].to("cpu", copy=True) if sp.logprobs else None,
+                finish_reason=reason,
+                sample_id=ids[r],
+                policy_version=self.policy_version,
+            )
+            slot_req[slot] = -1
+
+        def after_sample(slots: np.ndarray, tokens: torch.Tensor) -> None:
+            """Finish reasons for `slots` that just received `tokens` (stop > abort > length)."""
+            hit = torch.isin(tokens, stop_ids).cpu().numpy() if sp.stop_token_ids else None
+            toks = tokens.cpu().tolist() if host_tokens else None
+            done = []
+            for j, slot in enumerate(slots.tolist()):
+                if host_tokens:
+                    texts[slot].append(toks[j])
+                if hit is not None and hit[j]:
+                    done.append((slot, "stop"))
+                elif host_tokens and self._hit_stop_string(texts[slot], sp.stop):
+                    done.append((slot, "stop"))
+                elif ids[slot_req[slot]] in self._aborted:
+                    done.append((slot, "abort"))
+                elif count[slot] >= max_new:
+                    done.append((slot, "length"))
+            for slot, reason in done:
+                finish(slot, reason)
+            if done:
+                freed = torch.tensor([d[0] for d in done], device=dev)
+                active_dev[freed] = 0
+                dec.positions[freed] = 0
+
+        def refill(free: list[int]) -> None:
+            take = [queue.popleft() for _ in range(min(len(free), len(queue)))]
+            take.sort(key=lambda r: len(requests[r]))
+            start = 0
+            while start < len(take):  # length-sorted chunks of at most prefill_tokens
+                end = start + 1
+                while end < len(take) and (end + 1 - start) * len(requests[take[end]]) <= self.prefill_tokens:
+                    end += 1
+                chunk, slots = take[start:end], np.array(free[start:end])
+                P = len(requests[chunk[-1]])
+                ids_t = torch.full((len(chunk), P), self.pad_id, dtype=torch.long)
+                for i, r in enumerate(chunk):
+                    ids_t[i, : len(requests[r])] = torch.tensor(requests[r])
+                lengths = [len(requests[r]) for r in chunk]
+                logits = dec.prefill(ids_t, lengths, slots.tolist())
+                tokens, lp = self._sample(logits, sp)
+                st = torch.as_tensor(slots, device=dev)
+                gen_tok[st, 0], gen_lp[st, 0] = tokens, lp
+                count_dev[st], active_dev[st] = 1, 1
+                dec.tokens[st] = tokens
+                dec.positions[st] = torch.tensor(lengths, device=dev)
+                slot_req[slots], count[slots], pos[slots] = chunk, 1, lengths
+                for s_ in slots.tolist():
+                    texts[s_] = []
+                after_sample(slots, tokens)
+                start = end
+
+        refill_at = max(1, B // 4)
+        while queue or (slot_req >= 0).any():
+            free = np.flatnonzero(slot_req < 0).tolist()
+            busy = B - len(free)
+            if queue and free and (len(free) >= refill_at or busy == 0 or len(queue) <= len(free)):
+                refill(free)
+                continue  # a refill can finish samples at once (stop token, max_new == 1)
+            act = np.flatnonzero(slot_req >= 0)
+            logits = dec.decode(length_bucket(int(pos[act].max()) + 1, dec.max_len))
+            tokens, lp = self._sample(logits, sp)
+            col = count_dev.clamp(max=max_new - 1)
+            gen_tok[slot_ix, col], gen_lp[slot_ix, col] = tokens, lp
+            count_dev += active_dev
+            dec.tokens.copy_(tokens)
+            dec.positions += active_dev
+            count[act] += 1
+            pos[act] += 1
+            after_sample(act, tokens[torch.as_tensor(act, device=dev)])
+        return results
