@@ -4,8 +4,15 @@
 These two functions run the same Megatron schedule (`get_forward_backward_func`) with the
 diffusion forward instead: one packed THD row per micro-batch (`algo.dllm.sft_loss`), flex
 attention with the bidirectional document mask (masked diffusion) or the C.2 BlockMask (block
-diffusion), and the weighted cross entropy at the scored positions only (no full-vocabulary
-log-softmax over unscored tokens, C.7).
+diffusion), and the weighted cross entropy at the scored positions only (C.7).
+
+Memory: the model is run up to its final norm (`_hidden_states_only`) and the output layer is
+applied to the K scored rows alone (block diffusion: the masked response tokens of the noisy
+half, no logits for the clean half or the prompt), in chunks of `chunk_tokens` rows that are
+recomputed in the backward, so at most one chunk of [chunk, V/tp] logits is alive at a time
+instead of [2N, V] (at 16 x 2048 tokens and a 151,936 vocabulary: 18.5 GiB of bf16 logits plus
+as much again for their gradient). `packed_logprobs` is that path for one batch; the full-logits
+reference it equals is `sft_loss.scored_logprobs` on the model's logits.
 
     metrics = diffusion_train_step(policy, batches, normalizer)         # one optimizer step
     lps = diffusion_logprobs(policy, batches)   # [K] per batch, no grad: ELBO terms (old/ref)
@@ -20,9 +27,12 @@ by (micro-batches x DP size) to undo Megatron's averaging.
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
+from megatron_rl.actor.logprobs import vocab_parallel_logprobs
 from megatron_rl.actor.policy import Policy
 from megatron_rl.algo.dllm.elbo import Corruption
 from megatron_rl.algo.dllm.sft_loss import (
@@ -30,13 +40,77 @@ from megatron_rl.algo.dllm.sft_loss import (
     attention_inputs,
     block_diffusion_batch,
     masked_diffusion_batch,
-    scored_logprobs,
     weighted_nll,
 )
 
 
+@contextmanager
+def _hidden_states_only(gpt):
+    """Inside, `gpt(...)` returns the decoder's output after the final norm, [s(/tp with
+    sequence parallelism), b, h], instead of logits: megatron-core 0.16.1's
+    `GPTModel._postprocess` returns early when `post_process` is False (the final norm belongs
+    to the decoder, built at init, so it still runs)."""
+    if not gpt.post_process:
+        raise ValueError("the diffusion forward needs the last pipeline stage")
+    gpt.post_process = False
+    try:
+        yield
+    finally:
+        gpt.post_process = True
+
+
+def _rows_logprobs(gpt, rows: torch.Tensor, targets: torch.Tensor, tp_group) -> torch.Tensor:
+    """[k] log p(targets) of hidden rows [k, 1, h] (replicated over TP) through the output layer
+    (its module forward, so LoRA hooks on it apply). Under sequence parallelism the layer would
+    all-gather its input; the rows are already whole, so it runs with that switched off (as
+    megatron-core does for last-token logits), its input copy then all-reduces the grad."""
+    layer = gpt.output_layer
+    weight = gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights \
+        else None
+    sp = layer.sequence_parallel
+    layer.sequence_parallel = False
+    try:
+        logits, _ = layer(rows, weight=weight, runtime_gather_output=False)  # [k, 1, V/tp]
+    finally:
+        layer.sequence_parallel = sp
+    lp, _ = vocab_parallel_logprobs(logits[:, 0], targets, tp_group=tp_group,
+                                    chunk_tokens=rows.shape[0])
+    return lp
+
+
+def packed_logprobs(gpt, model, b: PackedDiffusionBatch, device, mask_impl: str = "kernel",
+                    tp_group=None, chunk_tokens: int = 1024) -> torch.Tensor:
+    """[K] log p(target) at the scored positions of one packed batch (differentiable).
+
+    `model` is what is called (the DDP wrapper or `gpt` itself), `gpt` the bare GPTModel. Only
+    the K rows `b.logit_pos` go through the output layer, `chunk_tokens` at a time, each chunk
+    recomputed in the backward (activation checkpoint): equal to `sft_loss.scored_logprobs` on
+    the full [T, V/tp] logits, without them.
+    """
+    from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+    tokens = b.tokens.to(device).unsqueeze(0)
+    pos = torch.arange(tokens.shape[1], device=device).unsqueeze(0)
+    mask, psp = attention_inputs(b, device, mask_impl)
+    with _hidden_states_only(gpt):
+        hidden = model(tokens, pos, mask, packed_seq_params=psp)  # [T(/tp), 1, h]
+    if gpt.output_layer.sequence_parallel:  # whole sequence; the backward keeps this rank's part
+        hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False,
+                                                      group=tp_group)
+    rows = hidden.index_select(0, b.logit_pos.to(device))  # [K, 1, h]
+    targets = b.targets.to(device)
+    grad = torch.is_grad_enabled()
+    out = []
+    for s in range(0, rows.shape[0], chunk_tokens):
+        args = (gpt, rows[s : s + chunk_tokens], targets[s : s + chunk_tokens], tp_group)
+        out.append(checkpoint(_rows_logprobs, *args, use_reentrant=False) if grad
+                   else _rows_logprobs(*args))
+    return torch.cat(out) if out else rows.new_zeros(0, dtype=torch.float32)
+
+
 def _run(policy: Policy, batches: list[PackedDiffusionBatch], forward_only: bool, closure,
          mask_impl: str):
+    """Megatron's schedule over the batches; `closure(batch, lp [K])` -> (loss, metrics)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     if policy.ps.pp_size > 1:
@@ -46,11 +120,8 @@ def _run(policy: Policy, batches: list[PackedDiffusionBatch], forward_only: bool
 
     def forward_step(data_iterator, model):
         b = next(data_iterator)
-        tokens = b.tokens.to(dev).unsqueeze(0)
-        pos = torch.arange(tokens.shape[1], device=dev).unsqueeze(0)
-        mask, psp = attention_inputs(b, dev, mask_impl)
-        out = model(tokens, pos, mask, packed_seq_params=psp)  # [1, T, V/tp]
-        return out, lambda logits: closure(b, logits)
+        lp = packed_logprobs(policy.module, model, b, dev, mask_impl, _tp_group(policy))
+        return lp, lambda lp_k: closure(b, lp_k)
 
     return get_forward_backward_func()(
         forward_step_func=forward_step, data_iterator=it, model=[policy.model],
@@ -74,8 +145,7 @@ def diffusion_train_step(
     policy.optimizer.zero_grad()
     scale = len(batches) * policy.ps.dp_size
 
-    def closure(b, logits):
-        lp = scored_logprobs(logits[0], b, _tp_group(policy))
+    def closure(b, lp):
         loss = weighted_nll(lp, b, normalizer)
         return loss * scale, {"loss": loss.detach()}
 
@@ -97,9 +167,9 @@ def diffusion_logprobs(
     out: list = [None] * len(batches)
     index = {id(b): i for i, b in enumerate(batches)}
 
-    def closure(b, logits):
-        out[index[id(b)]] = scored_logprobs(logits[0], b, _tp_group(policy)).cpu()
-        return logits.new_zeros(()), {}
+    def closure(b, lp):
+        out[index[id(b)]] = lp.cpu()
+        return lp.new_zeros(()), {}
 
     _run(policy, batches, True, closure, mask_impl)
     return out

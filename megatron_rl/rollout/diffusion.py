@@ -19,7 +19,14 @@ the sampler is picked by `DiffusionSampling.algorithm`:
   store its clean KV. Stops after the block in which every sample has produced a stop token.
 - `llada2` (C.3.5, LLaDA2.0): the same block decoder with threshold decoding (tau = 0.95,
   32 steps by default) and EOS early stop inside a block (a sample stops once a stop token is
-  committed and everything before it is decoded). LLaDA2.1 token editing is not implemented.
+  committed and everything before it is decoded). With `token_editing` (LLaDA2.1, off by
+  default): after each mask transfer, every already-decoded generated position of the current
+  block whose new sample differs from its token with probability > `editing_threshold` is
+  overwritten; a sample's block iterates until it has no mask and made no edit, for at most
+  `max_post_steps` forwards after its masks ran out; the EOS stop is then checked at block end
+  (as in the LLaDA2.1 reference), so an edit can still revise a committed stop token. Masks are
+  transferred by the LLaDA2.0 rule (quota n_s, which is 2.1's minimum of 1 per step at the
+  recommended steps = block size = 32).
 
 Block decoding without the cache (`use_cache=False`) re-forwards the window up to the current
 block with the block-causal mask (C.2 step 9); it gives the same tokens as the cached decoder.
@@ -77,6 +84,13 @@ class DiffusionSampling:
     """Dream: final timestep."""
     alg_temp: float = 0.0
     """Dream: 0 commits the top-k by confidence, > 0 samples positions from softmax(conf/alg_temp)."""
+    token_editing: bool = False
+    """llada2 only: LLaDA2.1 token editing (ALGORITHMS.md C.3.5). False = LLaDA2.0 decoding."""
+    editing_threshold: float = 0.9
+    """LLaDA2.1: a decoded (non-prompt) token of the current block is replaced by the new sample
+    when they differ and the sample's probability is > this (C.3.5; HF signature default 0.9)."""
+    max_post_steps: int = 16
+    """LLaDA2.1: most forwards of a block after its masks are exhausted (editing only, C.3.5)."""
 
     def __post_init__(self):
         if self.algorithm not in _RULES:
@@ -89,6 +103,10 @@ class DiffusionSampling:
             )
         if self.block_size < 1 or self.steps_per_block < 1:
             raise ValueError("diffusion sampler `block_size` and `steps_per_block` must be >= 1")
+        if self.token_editing and self.algorithm != "llada2":
+            raise ValueError("diffusion sampler `token_editing` is LLaDA2.1's (algorithm llada2)")
+        if self.max_post_steps < 0:
+            raise ValueError("diffusion sampler `max_post_steps` must be >= 0")
 
     @classmethod
     def for_model(cls, hf_config: dict, **overrides) -> DiffusionSampling:
@@ -350,12 +368,26 @@ class DiffusionEngine:
             ctx = self.den.new_cache(B, T)
             if C > 0:
                 self.den.forward_cached(ctx, x[:, :C], masked_out[:, :, :C, :C], commit=True)
+        edit = cfg.token_editing
         for j in range(nb):
             a, b = C + j * S, C + (j + 1) * S
             m0 = (x[:, a:b] == self.mask_id).sum(1)
-            for s in range(cfg.steps_per_block):
+            if edit:  # LLaDA2.1 (C.3.5): per-sample state of this block's editing loop
+                generated = torch.arange(a, b, device=dev)[None] >= gen_start[:, None]  # [B, S]
+                active = ~done
+                post = torch.zeros(B, dtype=torch.long, device=dev)
+            # Masks run out after steps_per_block steps (the quotas sum to m0); editing adds at
+            # most max_post_steps forwards per sample after that.
+            for s in range(cfg.steps_per_block + (cfg.max_post_steps + 1 if edit else 0)):
                 masked = (x[:, a:b] == self.mask_id) & ~done[:, None]
-                if not bool(masked.any()):
+                if edit:
+                    no_mask = ~masked.any(1)
+                    post += (active & no_mask).long()
+                    active &= post <= cfg.max_post_steps
+                    masked &= active[:, None]
+                    if not bool(active.any()):
+                        break
+                elif not bool(masked.any()):
                     break
                 if ctx is not None:
                     logits = self.den.forward_cached(ctx, x[:, a:b], masked_out[:, :, a:b, :b], commit=False)
@@ -371,10 +403,16 @@ class DiffusionEngine:
                     if cfg.remasking == "low_confidence_dynamic":
                         high = masked & (p > cfg.threshold)
                         sel = torch.where((high.sum(1) >= quota)[:, None], high, sel)
+                if edit:  # decoded generated tokens the model now out-votes with p > threshold
+                    before = x[:, a:b].clone()
+                    sel = sel | (active[:, None] & generated & (before != self.mask_id)
+                                 & (x0 != before) & (p > cfg.editing_threshold))
                 x[:, a:b] = torch.where(sel, x0, x[:, a:b])
                 lp[:, a:b] = torch.where(sel, p.clamp_min(1e-30).log(), lp[:, a:b])
                 self._sync(x)
-                if cfg.algorithm == "llada2":  # EOS early stop inside the block
+                if edit:  # no mask and no edit: settled (read from the synced tokens, TP-safe)
+                    active &= ~(no_mask & (x[:, a:b] == before).all(1))
+                if cfg.algorithm == "llada2" and not edit:  # EOS early stop inside the block
                     done |= self._stopped_rows(x[:, :b], gen_start, stops)
             done |= self._stopped_rows(x[:, :b], gen_start, stops)
             if bool(done.all()) or self._aborted.intersection(ids) == set(ids) or j == nb - 1:

@@ -5,18 +5,25 @@ Invariants (ALGORITHMS.md C.2, C.0.5, C.0.6):
   forward over the clean sequence under the block-causal mask (kernel and dense BlockMask alike);
 - a packed masked-diffusion batch gives each sample the logits of its own bidirectional forward;
 - Dream reads the logit one position earlier; scored positions / targets / weights line up;
+- the training path (output layer on the scored rows only, chunked and recomputed) gives the
+  log-probs, loss and gradients of the full-logits reference (`scored_logprobs`);
 - a few diffusion SFT steps on a fixed batch lower the loss.
 """
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+from helpers import REPO, run_torchrun
 
 from megatron_rl.algo.dllm.sft_loss import (
     attention_inputs,
     block_diffusion_batch,
     masked_diffusion_batch,
+    scored_logprobs,
+    weighted_nll,
 )
 
 V, MASK, S = 40, 39, 4
@@ -24,14 +31,14 @@ PROMPTS = [[1, 5, 6], [1, 7, 8, 9, 10, 11], [2]]
 RESPONSES = [[12, 13, 14, 2], [15, 2], [16, 17, 18, 19, 20, 2, 2]]
 
 
-def _model(ps, arch="SDARForCausalLM"):
+def _model(ps, arch="SDARForCausalLM", **hf_extra):
     from megatron.core.transformer.enums import AttnMaskType
 
     from megatron_rl.models.builder import build_model
 
     hf = dict(architectures=[arch], hidden_size=64, intermediate_size=128, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=V,
-              max_position_embeddings=256, mask_token_id=MASK, block_size=S)
+              max_position_embeddings=256, mask_token_id=MASK, block_size=S, **hf_extra)
     torch.manual_seed(0)
     return build_model(hf, ps, attention_backend="flex_sdpa", attn_mask_type=AttnMaskType.no_mask)
 
@@ -99,6 +106,78 @@ def test_packed_masked_diffusion_equals_per_sample_bidirectional(single_rank):
         a = int(b.rope_cu_seqlens[s])
         alone = forward_logits(model, single_rank, b.tokens[None, a : a + n])[0]
         assert (packed[a : a + n] - alone).abs().max().item() <= 1e-5
+
+
+def scored_rows_vs_full_logits(model, ps, b, chunk: int) -> dict:
+    """Max differences between `packed_logprobs` (output layer on the K scored rows, `chunk`
+    rows at a time, recomputed in the backward) and `scored_logprobs` on the model's full
+    [T, V/tp] logits: log-probs, weighted loss, and every parameter gradient (this rank's shards,
+    relative to the reference's largest entry); `no_grad` lists parameters left without one."""
+    from megatron_rl.actor.diffusion_policy import packed_logprobs
+
+    tp = ps.pgs.tp if ps.tp_size > 1 else None
+    model.train()
+
+    def loss_and_grads(lp_fn):
+        model.zero_grad()
+        lp = lp_fn()
+        loss = weighted_nll(lp, b, 13.0)
+        loss.backward()
+        return lp.detach(), loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+    def full_logits():
+        mask, psp = attention_inputs(b, ps.device)
+        logits = model(b.tokens[None], torch.arange(b.tokens.numel())[None], mask,
+                       packed_seq_params=psp)
+        assert logits.shape == (1, b.tokens.numel(), model.vocab_size // ps.tp_size)
+        return scored_logprobs(logits[0], b, tp)
+
+    lp_ref, loss_ref, g_ref = loss_and_grads(full_logits)
+    g_ref = {n: g.clone() for n, g in g_ref.items() if g is not None}
+    lp, loss, g = loss_and_grads(lambda: packed_logprobs(model, model, b, ps.device, tp_group=tp,
+                                                         chunk_tokens=chunk))
+    assert lp.shape == (b.score_pos.numel(),) and model.post_process  # flag restored
+    g = {n: x for n, x in g.items() if x is not None}
+    assert g.keys() == g_ref.keys()
+    return {
+        "lp": (lp - lp_ref).abs().max().item(),
+        "loss": abs(loss.item() - loss_ref.item()) / max(1.0, abs(loss_ref.item())),
+        "grad": max((g[n] - g_ref[n]).abs().max().item() / max(1.0, g_ref[n].abs().max().item())
+                    for n in g),
+        "no_grad": sorted(n for n, p in model.named_parameters() if n not in g or not g_ref[n].any()),
+    }
+
+
+@pytest.mark.parametrize("layout", ["block", "block-tied", "masked-shifted"])
+@pytest.mark.parametrize("chunk", [3, 1024])
+def test_scored_rows_only_equal_the_full_logits_loss_and_grads(single_rank, layout, chunk):
+    arch = "DreamModel" if layout.startswith("masked") else "SDARForCausalLM"
+    model = _model(single_rank, arch, tie_word_embeddings=layout.endswith("tied"))
+    assert model.share_embeddings_and_output_weights == layout.endswith("tied")
+    masked = [torch.arange(len(r)) % 3 != 1 for r in RESPONSES]
+    weights = [m.float() * (i + 1.5) for i, m in enumerate(masked)]
+    if layout.startswith("masked"):
+        b = masked_diffusion_batch(PROMPTS, RESPONSES, masked, weights, mask_id=MASK,
+                                   shift_logits=True)
+    else:
+        b = block_diffusion_batch(PROMPTS, RESPONSES, masked, weights, mask_id=MASK, block_size=S)
+    assert b.score_pos.numel() > 2 * chunk or chunk == 1024  # several chunks when chunk = 3
+    d = scored_rows_vs_full_logits(model, single_rank, b, chunk)
+    assert d["lp"] <= 1e-5 and d["loss"] <= 1e-6 and d["grad"] <= 1e-5, d
+    assert d["no_grad"] == []  # every parameter gets a gradient (the output layer too)
+
+
+def test_scored_rows_only_equal_the_full_logits_at_tp2(tmp_path):
+    """The same at TP=2 (two gloo ranks): dense SDAR (vocab-parallel output layer) and SDAR-MoE
+    (sequence parallel, so the hidden states are gathered before the rows are picked)."""
+    run_torchrun([os.path.join(REPO, "tests/unit/_dllm_loss_tp_worker.py"), str(tmp_path)],
+                 timeout=300)
+    result = torch.load(tmp_path / "tp2.pt")
+    assert result["SDARMoeForCausalLM"]["sequence_parallel"]
+    assert not result["SDARForCausalLM"]["sequence_parallel"]
+    for arch, d in result.items():
+        assert d["lp"] <= 1e-5 and d["loss"] <= 1e-6 and d["grad"] <= 1e-5, (arch, d)
+        assert all(".experts." in n for n in d["no_grad"]), (arch, d)  # an expert may get no token
 
 
 def test_diffusion_sft_steps_lower_the_loss(single_rank):

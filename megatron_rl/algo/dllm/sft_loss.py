@@ -188,7 +188,10 @@ def attention_inputs(batch: PackedDiffusionBatch, device, mask_impl: str = "kern
 
 
 def scored_logprobs(logits_tv: torch.Tensor, batch: PackedDiffusionBatch, tp_group=None) -> torch.Tensor:
-    """[K] log p(target) at the scored positions; logits_tv: [T, V/tp] (vocab-parallel)."""
+    """[K] log p(target) at the scored positions; logits_tv: [T, V/tp] (vocab-parallel).
+
+    The full-logits reference: training runs `actor.diffusion_policy.packed_logprobs`, which
+    applies the output layer to the K scored rows only and equals this (tests compare them)."""
     from megatron_rl.actor.logprobs import vocab_parallel_logprobs
 
     rows = logits_tv.index_select(0, batch.logit_pos.to(logits_tv.device))
