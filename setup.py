@@ -29,14 +29,16 @@ def _extensions():
     with_cuda = bool(torch.version.cuda) and (
         shutil.which("nvcc") is not None or os.environ.get("CUDA_HOME")
     )
-    cxx = ["-O3", "-std=c++17", "-fopenmp"]
+    # No -std flag: torch.utils.cpp_extension adds the standard its headers need (C++17 in torch
+    # 2.11, C++20 in 2.13); forcing one mismatches the headers of the other versions.
+    cxx = ["-O3", "-fopenmp"]
     if with_cuda and cu:
         ext = CUDAExtension(
             "megatron_rl._C",
             cpp + cu,
             include_dirs=[os.path.abspath("csrc")],
             define_macros=[("MEGATRON_RL_WITH_CUDA", "1")],
-            extra_compile_args={"cxx": cxx, "nvcc": ["-O3", "-std=c++17", "--use_fast_math"]},
+            extra_compile_args={"cxx": cxx, "nvcc": ["-O3", "--use_fast_math"]},
             extra_link_args=["-fopenmp"],
         )
     else:

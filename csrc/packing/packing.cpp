@@ -186,17 +186,19 @@ void check_pack_args(const at::Tensor& rows, const at::Tensor& starts, const at:
 
 namespace {
 
-// Validates index ranges once (the copy loops then run unchecked).
+// Validates every index range on the calling thread, before the output is allocated and before
+// any parallel region: the copy loops then run unchecked and nothing throws from a worker thread.
+// Comparisons are overflow-free (a start near INT64_MAX must not wrap to a small end).
 void check_segments_cpu(const int64_t* starts, const int32_t* cu, int64_t n, int64_t total,
                         int64_t num_rows, const char* op) {
-  TORCH_CHECK(n == 0 ? total == 0 || cu[0] == 0 : cu[0] == 0, op, ": cu_seqlens[0] must be 0");
+  TORCH_CHECK(cu[0] == 0, op, ": cu_seqlens[0] must be 0, got ", cu[0]);
   TORCH_CHECK(cu[n] == total, op, ": cu_seqlens[-1]=", cu[n], " but total=", total);
+  TORCH_CHECK(num_rows >= 0, op, ": negative row count ", num_rows);
   for (int64_t s = 0; s < n; ++s) {
-    const int64_t len = cu[s + 1] - cu[s];
+    const int64_t len = int64_t{cu[s + 1]} - cu[s];
     TORCH_CHECK(len >= 0, op, ": cu_seqlens must be non-decreasing (segment ", s, ")");
-    TORCH_CHECK(starts[s] >= 0 && starts[s] + len <= num_rows, op, ": segment ", s,
-                " (start ", starts[s], ", length ", len, ") is outside the ", num_rows,
-                " source rows");
+    TORCH_CHECK(starts[s] >= 0 && starts[s] <= num_rows - len, op, ": segment ", s, " (start ",
+                starts[s], ", length ", len, ") is outside the ", num_rows, " source rows");
   }
 }
 
@@ -265,13 +267,13 @@ at::Tensor position_ids_cpu(const at::Tensor& cu_seqlens_in, int64_t total) {
   const int32_t* c = cu.data_ptr<int32_t>();
   TORCH_CHECK(n >= 0 && c[n] == total && c[0] == 0,
               "megatron_rl::position_ids: cu_seqlens must start at 0 and end at total");
+  for (int64_t s = 0; s < n; ++s)  // validated here: never throw from a parallel_for worker
+    TORCH_CHECK(c[s + 1] >= c[s], "megatron_rl::position_ids: cu_seqlens must be non-decreasing");
   at::Tensor out = at::empty({total}, cu.options().dtype(at::kLong));
   int64_t* o = out.data_ptr<int64_t>();
   at::parallel_for(0, n, 16, [&](int64_t b, int64_t e) {
-    for (int64_t s = b; s < e; ++s) {
-      TORCH_CHECK(c[s + 1] >= c[s], "megatron_rl::position_ids: cu_seqlens must be non-decreasing");
+    for (int64_t s = b; s < e; ++s)
       for (int32_t t = c[s]; t < c[s + 1]; ++t) o[t] = t - c[s];
-    }
   });
   return out;
 }

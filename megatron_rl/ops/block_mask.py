@@ -64,15 +64,18 @@ def block_diffusion_block_mask(
     kv_num, kv_idx, full_num, full_idx = ops().block_diffusion_structure(
         lens_t, prompts_t, block_size, origin == "response", tile, total
     )
-    doc, clean, block = reference.block_diffusion_layout(lens, block_size, origin, prompts, device)
-    # Pad the lookup tables to whole tiles: the kernel may evaluate mask_mod on padded indices.
+    # mask_mod runs only on partial tiles; it reads two int32 tables per index (sample id and
+    # 2 * block + clean) instead of three int64 ones. Padded to whole tiles with -1: the kernel
+    # may evaluate mask_mod on indices >= L.
+    doc, key = reference.block_diffusion_keys(
+        *reference.block_diffusion_layout(lens, block_size, origin, prompts, device)
+    )
     pad = kv_num.shape[-1] * tile - L
     doc = torch.nn.functional.pad(doc, (0, pad), value=-1)
-    clean = torch.nn.functional.pad(clean, (0, pad), value=False)
-    block = torch.nn.functional.pad(block, (0, pad), value=-1)
+    key = torch.nn.functional.pad(key, (0, pad), value=-1)
 
     def mask_mod(b, h, q_idx, kv_idx):
-        return reference.block_diffusion_allowed(doc, clean, block, q_idx, kv_idx)
+        return reference.block_diffusion_allowed_keys(doc, key, q_idx, kv_idx)
 
     return BlockMask.from_kv_blocks(
         kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=tile, mask_mod=mask_mod, seq_lengths=(L, L)

@@ -274,11 +274,27 @@ def block_diffusion_layout(
 
 
 def block_diffusion_allowed(doc, clean, block, q, k) -> torch.Tensor:
-    """C.2 step 4, elementwise over query / key position tensors (also the flex mask_mod body)."""
+    """C.2 step 4, elementwise over query / key position tensors (the dense reference rule)."""
     bq, bk, cq, ck = block[q], block[k], clean[q], clean[k]
     return (doc[q] == doc[k]) & (
         ((bq == bk) & (cq == ck)) | ((bq > bk) & ck & ~cq) | ((bq >= bk) & ck & cq)
     )
+
+
+def block_diffusion_keys(doc, clean, block) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layout as two int32 lookups for the flex mask_mod: sample id and key = 2 * block +
+    clean (block_diffusion_block_mask pads both with -1 up to whole tiles)."""
+    return doc.to(torch.int32), (2 * block + clean.to(block.dtype)).to(torch.int32)
+
+
+def block_diffusion_allowed_keys(doc, key, q, k) -> torch.Tensor:
+    """block_diffusion_allowed on (doc, key) of block_diffusion_keys: two lookups per index.
+
+    Same sample and either the same (block, copy) (block-diagonal, and the clean copy's own block)
+    or k clean in an earlier block (bq > bk and ck, with q noisy or clean): the three C.2 terms.
+    """
+    kq, kk = key[q], key[k]
+    return (doc[q] == doc[k]) & ((kq == kk) | (((kk & 1) == 1) & ((kq >> 1) > (kk >> 1))))
 
 
 def block_diffusion_mask(

@@ -61,6 +61,20 @@ def test_dense_mask_is_the_c2_rule(layout, S, origin):
 
 @SETTINGS
 @given(
+    layout=layouts, S=st.sampled_from([1, 3, 4, 8]), origin=st.sampled_from(["global", "response"])
+)
+def test_mask_mod_keys_rule_is_the_dense_rule(layout, S, origin):
+    """The two-lookup rule the BlockMask's mask_mod evaluates == the three-lookup C.2 rule."""
+    lens, prompts = layout
+    doc, clean, block = ref.block_diffusion_layout(lens, S, origin, prompts)
+    doc32, key = ref.block_diffusion_keys(doc, clean, block)
+    idx = torch.arange(doc.numel())
+    got = ref.block_diffusion_allowed_keys(doc32, key, idx[:, None], idx[None, :])
+    assert torch.equal(got, ops.block_diffusion_mask(lens, S, origin, prompts))
+
+
+@SETTINGS
+@given(
     layout=st.lists(
         st.tuples(st.integers(0, 300), st.integers(0, 300)), min_size=1, max_size=5
     ).map(lambda xs: ([n for n, _ in xs], [min(p, n) for n, p in xs])),

@@ -2,6 +2,9 @@
 opcheck, and pack -> document-masked attention -> unpack against per-sample attention."""
 
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -147,13 +150,52 @@ def test_pack_compiles_with_dynamic_total():
 
 
 def test_bad_layout_is_rejected():
-    src = torch.zeros(4, 8)
     with pytest.raises(ValueError, match="outside"):
         ops.packed_layout([9], [0], row_len=8)
-    layout = ops.packed_layout([5], [3], row_len=8, num_rows=4)
-    bad = torch.ops.megatron_rl
-    with pytest.raises(RuntimeError, match="outside"):
-        bad.pack(src.flatten(), layout.starts + 100, layout.cu_seqlens, 5)
+
+
+# Out-of-range layouts handed straight to the CPU ops. Run in a fresh interpreter so that a crash
+# (seen once under torch 2.11) fails this test with its faulthandler trace instead of ending the
+# session; "raw" loads only the C++ registrations, "registered" also the Python fake / autograd.
+_BAD_OPS_CHILD = """
+import torch
+{setup}
+ops = torch.ops.megatron_rl
+src, starts, cu = torch.zeros(32), torch.tensor([124]), torch.tensor([0, 5], dtype=torch.int32)
+calls = {{
+    "pack": lambda: ops.pack(src, starts, cu, 5),
+    "pack_huge_start": lambda: ops.pack(src, torch.tensor([2**63 - 2]), cu, 5),
+    "unpack": lambda: ops.unpack(torch.zeros(5), starts, cu, 32, 0),
+    "position_ids": lambda: ops.position_ids(torch.tensor([0, 3, 2], dtype=torch.int32), 2),
+}}
+for name, call in calls.items():
+    print("calling", name, flush=True)
+    try:
+        call()
+        print("no error", name, flush=True)
+    except RuntimeError as err:
+        print("raised", name, str(err).splitlines()[0], flush=True)
+"""
+
+
+@pytest.mark.parametrize(
+    "setup",
+    ["import megatron_rl._C", "from megatron_rl.ops._extension import load; load()"],
+    ids=["raw", "registered"],
+)
+def test_bad_layout_raises_in_the_ops(setup):
+    proc = subprocess.run(
+        [sys.executable, "-X", "faulthandler", "-c", _BAD_OPS_CHILD.format(setup=setup)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-4000:]}"
+    raised = [line for line in proc.stdout.splitlines() if line.startswith("raised")]
+    assert len(raised) == 4, proc.stdout
+    assert all("outside" in line for line in raised[:3]), proc.stdout
+    assert "non-decreasing" in raised[3], proc.stdout
 
 
 @pytest.mark.parametrize("device", DEVICES)
