@@ -8,12 +8,19 @@ gradients (partial sums over this rank's tokens) are all-reduced across TP, whic
 Megatron's torch norm with sequence parallelism switched off and then tags its parameters.
 q/k-norms see full sequences (after the QKV projection gathers them): build those with
 `sequence_parallel_input=False` (Megatron all-reduces q/k-norm grads by name).
+
+On CUDA the RMSNorm runs as one fused kernel per direction (`FusedRMSNorm`, inductor-generated
+through `torch.compile`): torch's eager RMSNorm upcasts the activations to fp32 and makes ~6
+memory passes forward and more backward, which was ~15% of a Qwen3-1.7B training step on the
+H200. CPU keeps torch's eager RMSNorm (the reference; same formula).
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 
+import torch
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
 
@@ -34,7 +41,33 @@ class TorchNorm:
         if sp:
             config = copy.copy(config)
             config.sequence_parallel = False
-        norm = WrappedTorchNorm(config, hidden_size, eps=eps)
+        if config.normalization == "RMSNorm":
+            norm = FusedRMSNorm(hidden_size, eps=eps)
+        else:
+            norm = WrappedTorchNorm(config, hidden_size, eps=eps)
         for param in norm.parameters():
             param.sequence_parallel = sp and sequence_parallel_input
         return norm
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """y = x / sqrt(mean(x^2) + eps) * w, computed in fp32, returned in x's dtype (torch's
+    RMSNorm formula for half inputs)."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (y * weight.float()).to(x.dtype)
+
+
+@functools.cache
+def _fused_rms_norm():
+    return torch.compile(rms_norm_reference, dynamic=True)
+
+
+class FusedRMSNorm(torch.nn.RMSNorm):
+    """torch.nn.RMSNorm (same parameters and state dict) whose CUDA forward/backward are fused."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and not torch.compiler.is_compiling():
+            # contiguous: one compiled kernel for every caller (q/k norms get strided views)
+            return _fused_rms_norm()(x.contiguous(), self.weight, self.eps)
+        return super().forward(x)

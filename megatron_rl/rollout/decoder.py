@@ -51,7 +51,10 @@ class LeanDecoder:
         logits = dec.decode(kv_len=256)                      # [slots, V]
     """
 
-    def __init__(self, module, ps: ParallelState, use_cuda_graphs: bool | None = None):
+    def __init__(self, module, ps: ParallelState, use_cuda_graphs: bool | None = None,
+                 fused_blocks: bool = True):
+        """fused_blocks: decode dense layers through `qkv_block` / `attend_block` /
+        `mlp_in_block` (compiled on CUDA) instead of the generic module-by-module path."""
         cfg = module.config
         if ps.pp_size > 1:
             raise ValueError("parallel.pipeline_model_parallel_size > 1: the lean decoder needs "
@@ -92,6 +95,9 @@ class LeanDecoder:
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
         self._weight_ptrs: tuple[int, ...] = ()
+        self.fused_blocks = fused_blocks
+        self._blocks = fused_blocks and self._blocks_ok()
+        self._fns = None
 
     # -- memory ----------------------------------------------------------------------------
     def allocate(self, slots: int, max_len: int) -> None:
@@ -151,6 +157,8 @@ class LeanDecoder:
         w = getattr(fused_owner, "layer_norm_weight", None) if fused_owner is not None else None
         if w is not None:
             return F.rms_norm(x, (x.shape[-1],), w, self.eps)
+        if isinstance(norm_mod, torch.nn.RMSNorm):  # eager kernel: nothing compiled in a graph
+            return F.rms_norm(x, norm_mod.normalized_shape, norm_mod.weight, norm_mod.eps)
         return norm_mod(x)
 
     def _embed(self, ids):
@@ -181,7 +189,7 @@ class LeanDecoder:
         q = qkv[..., :per, :].reshape(*x.shape[:-1], self.heads, self.head_dim)
         k, v = qkv[..., per, :], qkv[..., per + 1, :]
         if getattr(att, "q_layernorm", None) is not None:
-            q, k = att.q_layernorm(q), att.k_layernorm(k)
+            q, k = self._norm(att.q_layernorm, q), self._norm(att.k_layernorm, k)
         return self._rope(q, cos, sin), self._rope(k, cos, sin), v
 
     def _mlp(self, layer, x):
@@ -236,6 +244,36 @@ class LeanDecoder:
         return self._logits(x[torch.arange(n, device=self.device), last])
 
     # -- decode ----------------------------------------------------------------------------
+    def _blocks_ok(self) -> bool:
+        """The fused per-layer blocks cover plain dense layers: torch RMSNorms, no LoRA, no
+        row-parallel biases, no MoE (those run the generic path)."""
+        if self.moe:
+            return False
+        for layer in self.layers:
+            att, mlp = layer.self_attention, layer.mlp
+            norms = [layer.input_layernorm, layer.pre_mlp_layernorm,
+                     _qk_norm(att, "q_layernorm"), _qk_norm(att, "k_layernorm")]
+            if not all(n is None or isinstance(n, torch.nn.RMSNorm) for n in norms):
+                return False
+            linears = [att.linear_qkv, att.linear_proj, mlp.linear_fc1, mlp.linear_fc2]
+            if any(hasattr(m, "lora_a") for m in linears):
+                return False
+            if any(getattr(m, "bias", None) is not None
+                   for m in (att.linear_proj, mlp.linear_fc1, mlp.linear_fc2)):
+                return False
+        return True
+
+    def _block_fns(self):
+        """The three fused per-layer functions: compiled on CUDA (inductor fuses the norms,
+        RoPE, softmax and SwiGLU; one compilation serves every layer and length bucket), plain
+        eager functions on CPU (the same code the tests check)."""
+        if self._fns is None:
+            fns = (qkv_block, attend_block, mlp_in_block)
+            if self.device.type == "cuda":
+                fns = tuple(torch.compile(f, dynamic=True) for f in fns)
+            self._fns = fns
+        return self._fns
+
     def _decode_eager(self, kv_len: int) -> torch.Tensor:
         """One token per slot: self.tokens at self.positions -> logits [slots, V]."""
         B, g, per, d = self.slots, self.groups, self.heads // self.groups, self.head_dim
@@ -245,6 +283,8 @@ class LeanDecoder:
         bias = torch.zeros(B, 1, 1, kv_len, dtype=torch.float32, device=self.device)
         bias.masked_fill_(~keep[:, None, None, :], float("-inf"))
         x = self._embed(self.tokens)  # [B, H]
+        if self._blocks:
+            return self._logits(self._decode_blocks(x, pos, cos, sin, bias, kv_len))
         for li, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, x, cos, sin)  # q [B, heads, d], k/v [B, g, d]
             self.k[li, self._slot_index, :, pos] = k
@@ -257,6 +297,25 @@ class LeanDecoder:
             x = x + self._mlp(layer, x)
         return self._logits(x)
 
+    def _decode_blocks(self, x, pos, cos, sin, bias, kv_len):
+        qkv_fn, attend_fn, mlp_fn = self._block_fns()
+        eps = self.eps
+        for li, layer in enumerate(self.layers):
+            att, mlp = layer.self_attention, layer.mlp
+            qn, kn = _qk_norm(att, "q_layernorm"), _qk_norm(att, "k_layernorm")
+            q, k, v = qkv_fn(x, layer.input_layernorm.weight, att.linear_qkv.weight,
+                             getattr(att.linear_qkv, "bias", None),
+                             None if qn is None else qn.weight, None if kn is None else kn.weight,
+                             cos, sin, eps, self.groups, self.heads // self.groups)
+            self.k[li, self._slot_index, :, pos] = k
+            self.v[li, self._slot_index, :, pos] = v
+            o = attend_fn(q, self.k[li, :, :, :kv_len], self.v[li, :, :, :kv_len], bias,
+                          self.scale)
+            x, act = mlp_fn(x, self._all_reduce(F.linear(o, att.linear_proj.weight)),
+                            layer.pre_mlp_layernorm.weight, mlp.linear_fc1.weight, eps)
+            x = x + self._all_reduce(F.linear(act, mlp.linear_fc2.weight))
+        return x
+
     def _weights_moved(self) -> bool:
         ptrs = tuple(p.data_ptr() for p in self.module.parameters())
         moved = ptrs != self._weight_ptrs
@@ -264,9 +323,11 @@ class LeanDecoder:
         return moved
 
     def check_weights(self) -> None:
-        """Drop captured graphs if any weight tensor was re-allocated since they were taken."""
+        """Drop captured graphs if any weight tensor was re-allocated since they were taken
+        (and re-check which decode path the layers allow: LoRA may have been added)."""
         if self._weights_moved():
             self._graphs.clear()
+            self._blocks = self.fused_blocks and self._blocks_ok()
 
     @torch.no_grad()
     def decode(self, kv_len: int) -> torch.Tensor:
@@ -290,3 +351,55 @@ class LeanDecoder:
         graph, out = entry
         graph.replay()
         return out
+
+
+def _qk_norm(att, name: str):
+    """The attention's q/k norm module, or None where Megatron put an IdentityOp."""
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    mod = getattr(att, name, None)
+    return None if mod is None or isinstance(mod, IdentityOp) else mod
+
+
+# -- the fused decode blocks (pure functions of tensors: one torch.compile serves all layers) ----
+def _rms(x, w, eps: float):
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w.float()).to(x.dtype)
+
+
+def _rope_half(x, cos, sin):
+    rot = cos.shape[-1]
+    t, rest = x[..., :rot], x[..., rot:]
+    t1, t2 = t.chunk(2, dim=-1)
+    t = t * cos + torch.cat((-t2, t1), dim=-1) * sin
+    return torch.cat((t, rest), dim=-1) if rest.shape[-1] else t
+
+
+def qkv_block(x, ln_w, qkv_w, qkv_b, qn_w, kn_w, cos, sin, eps: float, groups: int, per: int):
+    """[B, H] -> q [B, groups*per, d], k/v [B, groups, d]: input RMSNorm, the (column-parallel)
+    QKV projection in Megatron's per-group [q x per, k, v] layout, q/k RMSNorm, RoPE."""
+    qkv = F.linear(_rms(x, ln_w, eps), qkv_w, qkv_b)
+    B = x.shape[0]
+    qkv = qkv.view(B, groups, per + 2, -1)
+    q = qkv[:, :, :per].reshape(B, groups * per, -1)
+    k, v = qkv[:, :, per], qkv[:, :, per + 1]
+    if qn_w is not None:
+        q, k = _rms(q, qn_w, eps), _rms(k, kn_w, eps)
+    return _rope_half(q, cos, sin), _rope_half(k, cos, sin), v.contiguous()
+
+
+def attend_block(q, kc, vc, bias, scale: float):
+    """One query token per slot against its cached keys: q [B, h, d], kc/vc [B, g, S, d]
+    (views of the cache), bias [B, 1, 1, S] (0 / -inf) -> [B, h*d]. GQA by folding the h/g
+    query heads of each KV head into the query axis; softmax in fp32."""
+    B, g, _, d = kc.shape
+    qf = q.view(B, g, -1, d)
+    scores = torch.matmul(qf, kc.transpose(-1, -2)).float() * scale + bias
+    return torch.matmul(scores.softmax(-1).to(vc.dtype), vc).reshape(B, -1)
+
+
+def mlp_in_block(x, attn_out, ln_w, fc1_w, eps: float):
+    """Residual add of the attention output, pre-MLP RMSNorm, fc1 and SwiGLU -> (x, act)."""
+    x = x + attn_out
+    gate, up = F.linear(_rms(x, ln_w, eps), fc1_w).chunk(2, dim=-1)
+    return x, F.silu(gate) * up

@@ -98,6 +98,7 @@ def test_lean_decoder_matches_megatron_forward(single_rank, tmp_path, family):
     hf = json.load(open(f"{hf_dir}/config.json"))
     module, _ = build_module(ModelSource(hf, None, hf_dir), single_rank, ModelConfig(dtype="fp32"))
     lean, ref = _engines(module, single_rank, max_batch_size=3)
+    assert lean._lean._blocks == (family != "qwen3_moe")  # dense: the fused decode blocks
     # the stop token is the most common greedy token, so some samples end early
     probe = ref.generate(LEAN_PROMPTS, 1, SamplingParams(temperature=0.0, max_new_tokens=9))
     counts = torch.bincount(torch.tensor([t for s in probe for t in s.response_ids]))
@@ -125,6 +126,7 @@ def test_lean_decoder_applies_lora(single_rank, tmp_path):
             if name.endswith("lora_b"):
                 p.normal_(0, 0.2)
     lean, ref = _engines(module, single_rank, max_batch_size=4)
+    assert not lean._lean._blocks  # adapters: the generic module-by-module path
     sp = SamplingParams(temperature=0.0, max_new_tokens=6)
     for g, w in zip(lean.generate(LEAN_PROMPTS, 1, sp), ref.generate(LEAN_PROMPTS, 1, sp)):
         assert g.response_ids == w.response_ids
@@ -144,3 +146,38 @@ def test_lean_engine_sleep_frees_and_regenerates(setup):
 def test_unknown_decoder_is_rejected(single_rank):
     with pytest.raises(ValueError, match="decoder"):
         LocalEngine(None, single_rank, pad_id=0, decoder="fast")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graph_decoder_matches_megatron_forward(tmp_path):
+    """On CUDA (fp32, TF32 off): the CUDA-graphed lean decoder gives the reference's greedy
+    tokens and log-probs while crossing a 128-token length bucket (a second graph) and refilling
+    slots; a weight re-allocation invalidates the graphs."""
+    from megatron_rl.config import ParallelConfig
+    from megatron_rl.parallel import destroy_parallel, init_parallel
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    ps = init_parallel(ParallelConfig())
+    try:
+        assert ps.device.type == "cuda"
+        hf_dir = make_tiny_hf("qwen3", tmp_path / "hf", seed=4)
+        hf = json.load(open(f"{hf_dir}/config.json"))
+        module, _ = build_module(ModelSource(hf, None, hf_dir), ps, ModelConfig(dtype="fp32"))
+        lean, ref = _engines(module, ps, max_batch_size=4)
+        assert lean._lean.use_graphs
+        prompts = [list(range(3, 3 + n)) for n in (100, 7, 60, 120, 1, 33)]
+        sp = SamplingParams(temperature=0.0, max_new_tokens=40)
+        got, want = lean.generate(prompts, 1, sp), ref.generate(prompts, 1, sp)
+        assert len(lean._lean._graphs) >= 2
+        for g, w in zip(got, want):
+            assert g.response_ids == w.response_ids
+            assert torch.allclose(g.response_logprobs, w.response_logprobs, atol=1e-4)
+        with torch.no_grad():  # re-allocate one weight: graphs must be re-captured
+            w0 = module.decoder.layers[0].mlp.linear_fc2
+            w0.weight = torch.nn.Parameter(w0.weight.detach() * 1.5)
+        got2, want2 = lean.generate(prompts, 1, sp), ref.generate(prompts, 1, sp)
+        assert [g.response_ids for g in got2] == [w.response_ids for w in want2]
+    finally:
+        destroy_parallel()

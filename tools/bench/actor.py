@@ -139,6 +139,10 @@ def measure(args, ps, shape: str, backend: str, recompute: str) -> dict | None:
         use_gloo_process_groups=False,
         pg_collection=ps.pgs,
     )
+    if args.fused_adam:
+        from megatron_rl.actor.policy import enable_fused_adam
+
+        enable_fused_adam(opt)
 
     def step(batch: int):
         ids = torch.randint(0, cfg["vocab_size"], (batch, args.seq_len + 1), device=ps.device)
@@ -214,6 +218,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--loss-chunk", type=int, default=4096, help="tokens per output-layer chunk")
     p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    p.add_argument("--no-fused-adam", dest="fused_adam", action="store_false",
+                   help="keep torch's foreach Adam (megatron-core's fallback) instead of fused")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak (H200: 989)")
     args = p.parse_args(argv)
