@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from megatron_rl.parallel import ParallelState
 
 
-def length_bucket(n: int, max_len: int, quantum: int = 128) -> int:
+def length_bucket(n: int, max_len: int, quantum: int = 64) -> int:
     """Smallest multiple of `quantum` that is >= n, capped at max_len."""
     return min(max_len, -(-n // quantum) * quantum)
 
@@ -327,6 +327,7 @@ class LeanDecoder:
         (and re-check which decode path the layers allow: LoRA may have been added)."""
         if self._weights_moved():
             self._graphs.clear()
+            self._pool = None  # a pool whose graphs are gone cannot be captured into again
             self._blocks = self.fused_blocks and self._blocks_ok()
 
     @torch.no_grad()

@@ -53,6 +53,17 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
     return logits
 
 
+def exp_race_sample(logits: torch.Tensor, noise: torch.Tensor, temperature: float):
+    """Sample from softmax(logits / T) given E ~ Exp(1) noise [B, V]: the token is
+    argmax(p / E) = argmax(logits / T - log E) -- exactly torch.multinomial's single-draw
+    algorithm, so the same noise gives the same token -- and its log-prob
+    logits / T - logsumexp(logits / T). Returns (tokens [B], logprobs [B] fp32)."""
+    scaled = logits.float() / temperature
+    tokens = (scaled - noise.log()).argmax(-1)
+    lp = scaled.gather(-1, tokens[:, None]).squeeze(-1) - torch.logsumexp(scaled, -1)
+    return tokens, lp
+
+
 class LocalEngine:
     """Generate on the policy's own weights.
 
@@ -95,6 +106,7 @@ class LocalEngine:
         self.decoder_kind = "lean" if decoder == "auto" else decoder
         self.prefill_tokens = prefill_tokens
         self._lean = LeanDecoder(module, ps, cuda_graphs) if self.decoder_kind == "lean" else None
+        self._gumbel = None
 
     # -- protocol --------------------------------------------------------------------------
     def abort(self, sample_ids: Iterable[str]) -> None:
@@ -137,21 +149,35 @@ class LocalEngine:
         """logits [B, V] (Megatron gathers TP shards in inference) -> (tokens [B], logprobs [B]),
         identical on every TP rank."""
         full = logits_bv.float()
-        if sp.temperature > 0:
+        if sp.temperature > 0 and sp.top_k <= 0 and sp.top_p >= 1.0:
+            # multinomial's own draw (argmax of p / E, E ~ Exp(1), the same RNG stream), fused
+            noise = torch.empty(full.shape, dtype=torch.float32, device=full.device)
+            noise.exponential_(generator=self.generator)
+            tokens, lp = self._gumbel_fn()(logits_bv, noise, float(sp.temperature))
+        elif sp.temperature > 0:
             scaled = full / sp.temperature
             logp = torch.log_softmax(scaled, -1)
             probs = filter_logits(scaled, sp.top_k, sp.top_p).softmax(-1)
             tokens = torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
+            lp = logp.gather(-1, tokens[:, None]).squeeze(-1)
         else:
             logp = torch.log_softmax(full, -1)
             tokens = full.argmax(-1)
-        lp = logp.gather(-1, tokens[:, None]).squeeze(-1)
+            lp = logp.gather(-1, tokens[:, None]).squeeze(-1)
         group = self._tp_group()
         if group is not None:  # one sampler per TP group: broadcast rank 0's draw
             src = dist.get_global_rank(group, 0)
             dist.broadcast(tokens, src, group=group)
             dist.broadcast(lp, src, group=group)
         return tokens, lp
+
+    def _gumbel_fn(self):
+        """`exp_race_sample`, compiled on CUDA (one fused pass over the [B, V] logits)."""
+        if self._gumbel is None:
+            self._gumbel = exp_race_sample
+            if self.ps.device.type == "cuda":
+                self._gumbel = torch.compile(exp_race_sample, dynamic=True)
+        return self._gumbel
 
     def _hit_stop_string(self, response: list[int], stops: list[str]) -> bool:
         if not stops:
@@ -270,22 +296,29 @@ class LocalEngine:
             )
             slot_req[slot] = -1
 
-        def after_sample(slots: np.ndarray, tokens: torch.Tensor) -> None:
-            """Finish reasons for `slots` that just received `tokens` (stop > abort > length)."""
-            hit = torch.isin(tokens, stop_ids).cpu().numpy() if sp.stop_token_ids else None
-            toks = tokens.cpu().tolist() if host_tokens else None
-            done = []
-            for j, slot in enumerate(slots.tolist()):
-                if host_tokens:
-                    texts[slot].append(toks[j])
-                if hit is not None and hit[j]:
-                    done.append((slot, "stop"))
-                elif host_tokens and self._hit_stop_string(texts[slot], sp.stop):
-                    done.append((slot, "stop"))
-                elif ids[slot_req[slot]] in self._aborted:
-                    done.append((slot, "abort"))
-                elif count[slot] >= max_new:
-                    done.append((slot, "length"))
+        def after_sample(slots: np.ndarray, tokens: torch.Tensor, rows: np.ndarray) -> None:
+            """Finish reasons for `slots`, which just received tokens[rows] (stop > abort >
+            length). No host<->device traffic unless stop tokens or strings need checking."""
+            hit = torch.isin(tokens, stop_ids).cpu().numpy()[rows] if sp.stop_token_ids else None
+            if not host_tokens and not self._aborted:  # the vectorized common case
+                stop = hit if hit is not None else np.zeros(len(slots), dtype=bool)
+                full = ~stop & (count[slots] >= max_new)
+                done = [(int(s_), "stop") for s_ in slots[stop]]
+                done += [(int(s_), "length") for s_ in slots[full]]
+            else:
+                toks = tokens.cpu().numpy()[rows].tolist() if host_tokens else None
+                done = []
+                for j, slot in enumerate(slots.tolist()):
+                    if host_tokens:
+                        texts[slot].append(toks[j])
+                    if hit is not None and hit[j]:
+                        done.append((slot, "stop"))
+                    elif host_tokens and self._hit_stop_string(texts[slot], sp.stop):
+                        done.append((slot, "stop"))
+                    elif ids[slot_req[slot]] in self._aborted:
+                        done.append((slot, "abort"))
+                    elif count[slot] >= max_new:
+                        done.append((slot, "length"))
             for slot, reason in done:
                 finish(slot, reason)
             if done:
@@ -317,7 +350,7 @@ class LocalEngine:
                 slot_req[slots], count[slots], pos[slots] = chunk, 1, lengths
                 for s_ in slots.tolist():
                     texts[s_] = []
-                after_sample(slots, tokens)
+                after_sample(slots, tokens, np.arange(len(slots)))
                 start = end
 
         refill_at = max(1, B // 4)
@@ -337,5 +370,5 @@ class LocalEngine:
             dec.positions += active_dev
             count[act] += 1
             pos[act] += 1
-            after_sample(act, tokens[torch.as_tensor(act, device=dev)])
+            after_sample(act, tokens, act)  # decode rows are slots
         return results

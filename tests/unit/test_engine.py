@@ -181,3 +181,30 @@ def test_cuda_graph_decoder_matches_megatron_forward(tmp_path):
         assert [g.response_ids for g in got2] == [w.response_ids for w in want2]
     finally:
         destroy_parallel()
+
+
+def test_exp_race_sample_is_multinomials_draw():
+    """Same Exp(1) stream -> the same tokens as torch.multinomial, and exact log-probs."""
+    from megatron_rl.rollout.local import exp_race_sample
+
+    logits = torch.randn(64, 50) * 3
+    temperature = 0.7
+    want = torch.multinomial((logits / temperature).softmax(-1), 1,
+                             generator=torch.Generator().manual_seed(5)).squeeze(-1)
+    noise = torch.empty(64, 50).exponential_(generator=torch.Generator().manual_seed(5))
+    tokens, lp = exp_race_sample(logits, noise, temperature)
+    assert torch.equal(tokens, want)
+    ref = torch.log_softmax(logits / temperature, -1).gather(-1, tokens[:, None]).squeeze(-1)
+    assert torch.allclose(lp, ref, atol=1e-5)
+
+
+def test_abort_returns_partial_samples(setup):
+    """Aborted in-flight samples come back with finish_reason `abort` and what they had."""
+    _, _, engine = setup
+    n = next(engine._ids)  # the next generate numbers its samples s{n+1}, s{n+2}, ...
+    engine.abort([f"s{n + 1}", f"s{n + 3}"])
+    samples = engine.generate(PROMPTS, 1, SamplingParams(temperature=1.0, max_new_tokens=8, seed=2))
+    assert [s.finish_reason for s in samples] == ["abort", "length", "abort", "length"]
+    assert [len(s.response_ids) for s in samples] == [1, 8, 1, 8]
+    assert len(samples[0].response_logprobs) == 1
+    assert not engine._aborted  # cleared for the next call
