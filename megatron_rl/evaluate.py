@@ -8,6 +8,7 @@ the sampling from `rollout` with `rollout.val_temperature`. Prints one JSON line
 from __future__ import annotations
 
 import json
+import os
 
 from megatron_rl.actor.loading import build_module, resolve_model
 from megatron_rl.cli import load_config, split_config_args
@@ -43,5 +44,7 @@ def main(argv: list[str]) -> int:
     recipe, overrides, rest = split_config_args(argv)
     if rest:
         raise ValueError(f"unexpected arguments: {rest}")
-    print(json.dumps(run(load_config(RLConfig, recipe, overrides))))
+    result = run(load_config(RLConfig, recipe, overrides))
+    if int(os.environ.get("RANK", "0")) == 0:  # one result line per job, not per rank
+        print(json.dumps(result))
     return 0

@@ -121,5 +121,7 @@ def main(argv: list[str]) -> int:
     recipe, overrides, rest = split_config_args(argv)
     if rest:
         raise ValueError(f"unexpected arguments: {rest}")
-    print(json.dumps(run(load_config(SFTConfig, recipe, overrides))))
+    result = run(load_config(SFTConfig, recipe, overrides))
+    if int(os.environ.get("RANK", "0")) == 0:  # one result line per job, not per rank
+        print(json.dumps(result))
     return 0

@@ -247,5 +247,6 @@ def main(argv: list[str]) -> int:
     if rest:
         raise ValueError(f"unexpected arguments: {rest}")
     result = run(load_config(RLConfig, recipe, overrides))
-    print(json.dumps(result))
+    if int(os.environ.get("RANK", "0")) == 0:  # one result line per job, not per rank
+        print(json.dumps(result))
     return 0

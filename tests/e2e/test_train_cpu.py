@@ -60,3 +60,18 @@ def test_unknown_key_fails_before_writing(tmp_path):
     assert r.returncode == 2
     assert "trainer.total_step" in r.stderr and "trainer.total_steps" in r.stderr
     assert not out_dir.exists()
+
+
+def test_train_under_torchrun_dp2(tmp_path):
+    """The README's launch form: `torchrun ... -m megatron_rl.cli train` at DP=2 (gloo) trains,
+    writes one metrics file and prints one result line for the job."""
+    sys.path.insert(0, os.path.join(REPO, "tests"))
+    from helpers import run_torchrun
+
+    out_dir = tmp_path / "dp2"
+    proc = run_torchrun(["-m", "megatron_rl.cli", "train", *BASE, "trainer.total_steps=2",
+                         f"trainer.output_dir={out_dir}"], nproc=2, timeout=600)
+    results = [line for line in proc.stdout.splitlines() if line.startswith('{"pass_at_1')]
+    assert len(results) == 1, proc.stdout[-2000:]
+    steps = {x["step"] for x in rows(out_dir) if "reward/mean" in x}
+    assert steps == {1, 2}
