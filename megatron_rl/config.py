@@ -176,12 +176,35 @@ class RolloutConfig:
     val_temperature: float = 0.0
     """Temperature used for evaluation (0 = greedy pass@1)."""
 
+    darts: bool = False
+    """DARTS rollout shaping (ALGORITHMS.md B.3-B.5): a redundant pool of samples per prompt,
+    n kept by finishing order (the shortest and the `darts_long_end` longest), tail pruning;
+    built-in engine only."""
+
+    darts_redundancy: float = 1.25
+    """Average pool size per prompt as a multiple of n (r-bar / M, B.4.3)."""
+
+    darts_max_redundancy: float = 2.0
+    """Largest pool of one prompt as a multiple of n (M_up / M)."""
+
+    darts_long_end: int = 1
+    """L_max: most of the last finishers (longest responses) kept per prompt."""
+
+    darts_length_ema: float = 0.3
+    """EMA weight alpha of a prompt's length spread across visits (B.4.1)."""
+
     def __post_init__(self):
         _check(self.engine in ("local", "sglang", "vllm"), "rollout.engine", self.engine)
         _check(self.n >= 1, "rollout.n", "must be >= 1")
         _check(self.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1")
         _check(self.temperature >= 0, "rollout.temperature", "must be >= 0")
         _check(0 < self.top_p <= 1, "rollout.top_p", "must be in (0, 1]")
+        _check(1.0 <= self.darts_redundancy <= self.darts_max_redundancy,
+               "rollout.darts_redundancy", "must be in [1, rollout.darts_max_redundancy]")
+        _check(self.darts_long_end >= 0, "rollout.darts_long_end", "must be >= 0")
+        _check(0 < self.darts_length_ema <= 1, "rollout.darts_length_ema", "must be in (0, 1]")
+        _check(not self.darts or self.engine == "local", "rollout.darts",
+               "needs rollout.engine=local (the built-in engine)")
 
 
 # --------------------------------------------------------------------------------------------

@@ -33,6 +33,7 @@ from megatron_rl.eval.accuracy import evaluate
 from megatron_rl.metrics import MetricsLogger, Timer, dp_mean
 from megatron_rl.parallel import destroy_parallel, init_parallel
 from megatron_rl.rewards import build_reward, compute_rewards
+from megatron_rl.rollout.darts import LengthStats, plan_pool
 from megatron_rl.rollout.engine import SamplingParams
 from megatron_rl.rollout.local import LocalEngine
 from megatron_rl.types import TrainBatch, group_index, make_groups
@@ -103,7 +104,8 @@ def run(cfg: RLConfig) -> dict:
         return evaluate(engine, val, reward_fn, tok, cfg.reward, val_sampling,
                         tr.num_eval_examples, ps)
 
-    start = _maybe_resume(policy, data, engine, tr) if tr.resume else 0
+    darts = LengthStats(cfg.rollout.darts_length_ema) if cfg.rollout.darts else None
+    start = _maybe_resume(policy, data, engine, tr, darts) if tr.resume else 0
     engine.policy_version = start
     before = run_eval()
     log.log(start, {f"eval/{k}": v for k, v in before.items()}, advance=False)
@@ -113,11 +115,16 @@ def run(cfg: RLConfig) -> dict:
         # 1. rollout + rewards (+ dynamic sampling: keep groups with a learning signal)
         ds = DynamicSamplingState(target=cfg.data.train_batch_size // ps.dp_size,
                                   max_rounds=cfg.algorithm.max_resample_rounds + 1)
-        rounds, reward_stats = 0, {}
+        rounds, reward_stats, darts_metrics = 0, {}, {}
         while True:
             prompts = next(batches)
             with timer("rollout"):
-                samples = engine.generate([p.prompt_ids for p in prompts], cfg.rollout.n, sampling)
+                if darts is None:
+                    samples = engine.generate([p.prompt_ids for p in prompts], cfg.rollout.n,
+                                              sampling)
+                else:
+                    samples = _darts_rollout(engine, prompts, darts, cfg.rollout, sampling,
+                                             darts_metrics)
             groups = make_groups(prompts, samples, cfg.rollout.n)
             with timer("reward"):
                 reward_stats = compute_rewards([s for g in groups for s in g.samples], reward_fn,
@@ -172,14 +179,14 @@ def run(cfg: RLConfig) -> dict:
             "rollout/logprob_gap_max": float(gap.max()), "rollout/logprob_gap_mean": float(gap.mean()),
             "rollout/num_groups": float(len(kept)), "rollout/resample_rounds": float(rounds),
             "throughput/tokens_per_s": n_tokens * ps.dp_size / (time.perf_counter() - t0),
-            **actor_metrics, **timer.pop(),
+            **actor_metrics, **darts_metrics, **timer.pop(),
         }
         metrics = dp_mean(metrics, ps.pgs.dp if ps.dp_size > 1 else None)
         if tr.eval_interval and step % tr.eval_interval == 0 and step < tr.total_steps:
             metrics.update({f"eval/{k}": v for k, v in run_eval().items()})
         log.log(step, metrics)
         if tr.save_interval and step % tr.save_interval == 0:
-            _save_state(policy, src, data, engine, step, tr, ps)
+            _save_state(policy, src, data, engine, step, tr, ps, darts)
     after = run_eval()
     log.log(tr.total_steps + 1, {f"eval/{k}": v for k, v in after.items()}, advance=False)
     log.close()
@@ -197,13 +204,34 @@ def _checkpoint_root(tr) -> str:
     return os.path.join(tr.output_dir, "checkpoints")
 
 
-def _save_state(policy, src, data, engine, step: int, tr, ps) -> None:
+def _darts_rollout(engine, prompts, stats: LengthStats, rc, sampling, metrics: dict) -> list:
+    """DARTS (ALGORITHMS.md B.3-B.5): a pool of m_k samples per prompt sized from its length
+    spread, n kept per prompt by finishing order, the tail pruned; the spread statistics are
+    updated with the kept lengths. Adds darts/* counts to `metrics` (summed over dynamic-sampling
+    rounds; pool_mean of the last round)."""
+    counters = plan_pool([p.uid for p in prompts], stats, rc.n, rc.darts_redundancy,
+                         rc.darts_max_redundancy, rc.darts_long_end)
+    kept = engine.generate_groups([p.prompt_ids for p in prompts], counters, sampling)
+    for p, group in zip(prompts, kept):
+        if len(group) != rc.n:
+            raise RuntimeError(f"DARTS kept {len(group)} samples for prompt {p.uid}, expected "
+                               f"rollout.n={rc.n}")
+        stats.update(p.uid, [len(s.response_ids) for s in group])
+    for k, v in engine.last_darts.items():
+        metrics[f"darts/{k}"] = metrics.get(f"darts/{k}", 0.0) + float(v)
+    metrics["darts/pool_mean"] = sum(c.m for c in counters) / len(counters)
+    return [s for group in kept for s in group]
+
+
+def _save_state(policy, src, data, engine, step: int, tr, ps, darts=None) -> None:
     """Model + optimizer shards, LR schedule, data cursor, sampling RNG; written to `.tmp` then renamed, so an
     interrupted save never replaces the previous checkpoint."""
     final = os.path.join(_checkpoint_root(tr), f"step_{step:06d}")
     tmp = final + ".tmp"
     extra = {"step": step, "data": data.state_dict(), "scheduler": policy.scheduler.state_dict(),
              "rng": engine.generator.get_state().tolist()}
+    if darts is not None:
+        extra["darts"] = darts.state_dict()
     save_checkpoint(policy.module, tmp, hf_config=src.hf_config, src_dir=src.weights_dir,
                     optimizer=policy.optimizer, extra=extra)
     if ps.rank == 0:
@@ -212,7 +240,7 @@ def _save_state(policy, src, data, engine, step: int, tr, ps) -> None:
     torch.distributed.barrier()
 
 
-def _maybe_resume(policy, data, engine, tr) -> int:
+def _maybe_resume(policy, data, engine, tr, darts=None) -> int:
     """Load the newest complete checkpoint under output_dir; returns its step (0 if none)."""
     root = _checkpoint_root(tr)
     done = sorted(d for d in os.listdir(root) if d.startswith("step_") and not d.endswith(".tmp")) \
@@ -223,6 +251,8 @@ def _maybe_resume(policy, data, engine, tr) -> int:
     data.load_state_dict(extra["data"])
     policy.scheduler.load_state_dict(extra["scheduler"])
     engine.generator.set_state(torch.tensor(extra["rng"], dtype=torch.uint8))
+    if darts is not None and "darts" in extra:
+        darts.load_state_dict(extra["darts"])
     return int(extra["step"])
 
 

@@ -263,7 +263,49 @@ class LocalEngine:
             return self.max_batch_size
         return min(self.max_batch_size, 1 << (n_requests - 1).bit_length())
 
-    def _generate_continuous(self, requests: list[list[int]], sp: SamplingParams) -> list[Sample]:
+    def generate_groups(self, prompts: list[list[int]], counters: list, sampling: SamplingParams
+                        ) -> list[list[Sample]]:
+        """DARTS generation (ALGORITHMS.md B.3/B.5, `rollout.darts`): counters[k].m requests for
+        prompts[k], kept or rejected by the prompt's `DualEndCounter` in finishing order, the
+        rest of a prompt aborted once its counter says `prune`. Returns the kept samples of each
+        prompt (request order); `self.last_darts` counts generated, rejected and pruned ones."""
+        if self._lean is None:
+            raise ValueError("DARTS generation needs the lean decoder (LocalEngine decoder=auto)")
+        if len(counters) != len(prompts):
+            raise ValueError(f"{len(counters)} DARTS counters for {len(prompts)} prompts")
+        if sampling.seed is not None:
+            self.generator.manual_seed(sampling.seed)
+        requests = [p for p, c in zip(prompts, counters) for _ in range(c.m)]
+        group = [k for k, c in enumerate(counters) for _ in range(c.m)]
+        if any(len(p) == 0 for p in requests):
+            raise ValueError("empty prompt given to the rollout engine")
+        was_training = self.module.training
+        self.module.eval()
+        try:
+            samples = self._generate_continuous(requests, sampling, group, counters)
+        finally:
+            self.module.train(was_training)
+            self._aborted.clear()
+        out: list[list[Sample]] = [[] for _ in prompts]
+        stats = {"generated": 0, "rejected": 0, "pruned": 0, "generated_tokens": 0}
+        for k, s in zip(group, samples):
+            if s is None:  # pruned before it started
+                stats["pruned"] += 1
+                continue
+            stats["generated"] += 1
+            stats["generated_tokens"] += len(s.response_ids)
+            if s.metadata.pop("darts_kept"):
+                out[k].append(s)
+            elif s.finish_reason == "abort":
+                stats["pruned"] += 1
+            else:
+                stats["rejected"] += 1
+        self.last_darts = stats
+        return out
+
+    def _generate_continuous(self, requests: list[list[int]], sp: SamplingParams,
+                             group: list[int] | None = None, counters: list | None = None
+                             ) -> list[Sample | None]:
         dec, dev = self._lean, self.ps.device
         n_req, max_new = len(requests), sp.max_new_tokens
         B = self._slots_for(n_req)
@@ -282,6 +324,7 @@ class LocalEngine:
         pos = np.zeros(B, dtype=np.int64)
         texts: list[list[int]] = [[] for _ in range(B)]
         results: list[Sample | None] = [None] * n_req
+        newly_pruned: set[int] = set()
         queue = deque(range(n_req))
 
         def finish(slot: int, reason: str) -> None:
@@ -295,6 +338,25 @@ class LocalEngine:
                 policy_version=self.policy_version,
             )
             slot_req[slot] = -1
+            if counters is not None:  # DARTS: finishing order decides (B.3); aborted = pruned
+                c = counters[group[r]]
+                results[r].metadata["darts_kept"] = reason != "abort" and c.on_finish()
+                if c.prune:
+                    newly_pruned.add(group[r])
+
+        def prune() -> None:
+            """Abort the running requests of prompts whose counter says so (B.5 tail pruning)."""
+            if not newly_pruned:
+                return
+            hit = [int(s_) for s_ in np.flatnonzero(slot_req >= 0)
+                   if group[slot_req[s_]] in newly_pruned]
+            newly_pruned.clear()
+            for s_ in hit:
+                finish(s_, "abort")
+            if hit:
+                freed = torch.tensor(hit, device=dev)
+                active_dev[freed] = 0
+                dec.positions[freed] = 0
 
         def after_sample(slots: np.ndarray, tokens: torch.Tensor, rows: np.ndarray) -> None:
             """Finish reasons for `slots`, which just received tokens[rows] (stop > abort >
@@ -327,7 +389,13 @@ class LocalEngine:
                 dec.positions[freed] = 0
 
         def refill(free: list[int]) -> None:
-            take = [queue.popleft() for _ in range(min(len(free), len(queue)))]
+            take = []
+            while queue and len(take) < len(free):
+                r = queue.popleft()
+                if counters is None or not counters[group[r]].prune:
+                    take.append(r)  # (a pruned prompt's unstarted requests are dropped)
+            if not take:
+                return
             take.sort(key=lambda r: len(requests[r]))
             start = 0
             while start < len(take):  # length-sorted chunks of at most prefill_tokens
@@ -351,6 +419,7 @@ class LocalEngine:
                 for s_ in slots.tolist():
                     texts[s_] = []
                 after_sample(slots, tokens, np.arange(len(slots)))
+                prune()
                 start = end
 
         refill_at = max(1, B // 4)
@@ -371,4 +440,5 @@ class LocalEngine:
             count[act] += 1
             pos[act] += 1
             after_sample(act, tokens, act)  # decode rows are slots
+            prune()
         return results

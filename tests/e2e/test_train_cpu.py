@@ -75,3 +75,21 @@ def test_train_under_torchrun_dp2(tmp_path):
     assert len(results) == 1, proc.stdout[-2000:]
     steps = {x["step"] for x in rows(out_dir) if "reward/mean" in x}
     assert steps == {1, 2}
+
+
+def test_train_with_darts_rollout_shaping(tmp_path):
+    """`rollout.darts=true`: each step draws a redundant pool (1.5 x n per prompt on average),
+    trains on n per prompt, logs the pool counts, and a checkpoint carries the length stats."""
+    out_dir = tmp_path / "darts"
+    r = train(BASE + ["trainer.total_steps=2", "trainer.save_interval=2", "rollout.darts=true",
+                      "rollout.darts_redundancy=1.5", f"trainer.output_dir={out_dir}"], tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    steps = [x for x in rows(out_dir) if "reward/mean" in x]
+    assert [x["step"] for x in steps] == [1, 2]
+    for x in steps:
+        assert x["darts/pool_mean"] == pytest.approx(6.0)  # 1.5 x rollout.n=4
+        assert x["darts/generated"] + x["darts/pruned"] == pytest.approx(6 * 4)  # 4 prompts
+        assert x["rollout/num_groups"] == 4
+    extra = json.loads((out_dir / "checkpoints" / "step_000002" / "extra.json").read_text())
+    assert len(extra["darts"]["ema"]) == 8  # the 8 prompts seen in two steps of 4
+    assert extra["darts"]["alpha"] == pytest.approx(0.3)
