@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megatron_rl.models.norm import rms_norm_reference
 from megatron_rl.parallel import ParallelState
 
 
@@ -170,15 +171,6 @@ class LeanDecoder:
         x = F.embedding((ids - lo).masked_fill(outside, 0), emb.weight)
         return self._all_reduce(x.masked_fill(outside[..., None], 0))
 
-    def _rope(self, x, cos, sin):
-        """x [..., n, d] with cos/sin [..., 1, rot] (Megatron's non-interleaved RoPE, C.0 notation
-        aside: the same rotate-half rule as HF)."""
-        rot = cos.shape[-1]
-        t, rest = x[..., :rot], x[..., rot:]
-        t1, t2 = t.chunk(2, dim=-1)
-        t = t * cos + torch.cat((-t2, t1), dim=-1) * sin
-        return torch.cat((t, rest), dim=-1) if rest.shape[-1] else t
-
     def _qkv(self, layer, x, cos, sin):
         """x [..., H] -> q [..., heads, d], k/v [..., groups, d] after q/k-norm and RoPE."""
         att = layer.self_attention
@@ -190,7 +182,7 @@ class LeanDecoder:
         k, v = qkv[..., per, :], qkv[..., per + 1, :]
         if getattr(att, "q_layernorm", None) is not None:
             q, k = self._norm(att.q_layernorm, q), self._norm(att.k_layernorm, k)
-        return self._rope(q, cos, sin), self._rope(k, cos, sin), v
+        return _rope_half(q, cos, sin), _rope_half(k, cos, sin), v
 
     def _mlp(self, layer, x):
         fc1 = getattr(layer.mlp, "linear_fc1", None)
@@ -363,12 +355,9 @@ def _qk_norm(att, name: str):
 
 
 # -- the fused decode blocks (pure functions of tensors: one torch.compile serves all layers) ----
-def _rms(x, w, eps: float):
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w.float()).to(x.dtype)
-
-
 def _rope_half(x, cos, sin):
+    """x [..., n, d] with cos/sin [..., 1, rot]: Megatron's non-interleaved (rotate-half) RoPE
+    on the first `rot` channels."""
     rot = cos.shape[-1]
     t, rest = x[..., :rot], x[..., rot:]
     t1, t2 = t.chunk(2, dim=-1)
@@ -379,13 +368,13 @@ def _rope_half(x, cos, sin):
 def qkv_block(x, ln_w, qkv_w, qkv_b, qn_w, kn_w, cos, sin, eps: float, groups: int, per: int):
     """[B, H] -> q [B, groups*per, d], k/v [B, groups, d]: input RMSNorm, the (column-parallel)
     QKV projection in Megatron's per-group [q x per, k, v] layout, q/k RMSNorm, RoPE."""
-    qkv = F.linear(_rms(x, ln_w, eps), qkv_w, qkv_b)
+    qkv = F.linear(rms_norm_reference(x, ln_w, eps), qkv_w, qkv_b)
     B = x.shape[0]
     qkv = qkv.view(B, groups, per + 2, -1)
     q = qkv[:, :, :per].reshape(B, groups * per, -1)
     k, v = qkv[:, :, per], qkv[:, :, per + 1]
     if qn_w is not None:
-        q, k = _rms(q, qn_w, eps), _rms(k, kn_w, eps)
+        q, k = rms_norm_reference(q, qn_w, eps), rms_norm_reference(k, kn_w, eps)
     return _rope_half(q, cos, sin), _rope_half(k, cos, sin), v.contiguous()
 
 
@@ -402,5 +391,5 @@ def attend_block(q, kc, vc, bias, scale: float):
 def mlp_in_block(x, attn_out, ln_w, fc1_w, eps: float):
     """Residual add of the attention output, pre-MLP RMSNorm, fc1 and SwiGLU -> (x, act)."""
     x = x + attn_out
-    gate, up = F.linear(_rms(x, ln_w, eps), fc1_w).chunk(2, dim=-1)
+    gate, up = F.linear(rms_norm_reference(x, ln_w, eps), fc1_w).chunk(2, dim=-1)
     return x, F.silu(gate) * up
