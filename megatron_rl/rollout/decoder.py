@@ -84,7 +84,6 @@ class LeanDecoder:
             raise ValueError("the built-in engine supports plain (non-interleaved, unscaled) RoPE")
         self.inv_freq = rope.inv_freq
         self.eps = cfg.layernorm_epsilon
-        self.vocab = module.vocab_size
         self.device = ps.device
         self.dtype = cfg.params_dtype
         cuda = self.device.type == "cuda"

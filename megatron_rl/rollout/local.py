@@ -106,7 +106,7 @@ class LocalEngine:
         self.decoder_kind = "lean" if decoder == "auto" else decoder
         self.prefill_tokens = prefill_tokens
         self._lean = LeanDecoder(module, ps, cuda_graphs) if self.decoder_kind == "lean" else None
-        self._gumbel = None
+        self._exp_race = None
 
     # -- protocol --------------------------------------------------------------------------
     def abort(self, sample_ids: Iterable[str]) -> None:
@@ -120,11 +120,14 @@ class LocalEngine:
     def wake(self) -> None:  # the cache is re-allocated by the next `generate`
         pass
 
-    @torch.no_grad()
     def generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams) -> list[Sample]:
+        return self._run([p for p in prompts for _ in range(n)], sampling)
+
+    @torch.no_grad()
+    def _run(self, requests: list[list[int]], sampling: SamplingParams, group=None, counters=None):
+        """Seed, eval mode and abort bookkeeping around one batch of requests (both decoders)."""
         if sampling.seed is not None:
             self.generator.manual_seed(sampling.seed)
-        requests = [p for p in prompts for _ in range(n)]
         if any(len(p) == 0 for p in requests):
             raise ValueError("empty prompt given to the rollout engine")
         out: list[Sample] = []
@@ -132,13 +135,13 @@ class LocalEngine:
         self.module.eval()
         try:
             if self._lean is not None:
-                out = self._generate_continuous(requests, sampling)
+                out = self._generate_continuous(requests, sampling, group, counters)
             else:
                 for s in range(0, len(requests), self.max_batch_size):
                     out += self._generate_wave(requests[s : s + self.max_batch_size], sampling)
         finally:
             self.module.train(was_training)
-        self._aborted.clear()
+            self._aborted.clear()
         return out
 
     # -- internals -------------------------------------------------------------------------
@@ -153,7 +156,7 @@ class LocalEngine:
             # multinomial's own draw (argmax of p / E, E ~ Exp(1), the same RNG stream), fused
             noise = torch.empty(full.shape, dtype=torch.float32, device=full.device)
             noise.exponential_(generator=self.generator)
-            tokens, lp = self._gumbel_fn()(logits_bv, noise, float(sp.temperature))
+            tokens, lp = self._exp_race_fn()(logits_bv, noise, float(sp.temperature))
         elif sp.temperature > 0:
             scaled = full / sp.temperature
             logp = torch.log_softmax(scaled, -1)
@@ -171,13 +174,13 @@ class LocalEngine:
             dist.broadcast(lp, src, group=group)
         return tokens, lp
 
-    def _gumbel_fn(self):
+    def _exp_race_fn(self):
         """`exp_race_sample`, compiled on CUDA (one fused pass over the [B, V] logits)."""
-        if self._gumbel is None:
-            self._gumbel = exp_race_sample
+        if self._exp_race is None:
+            self._exp_race = exp_race_sample
             if self.ps.device.type == "cuda":
-                self._gumbel = torch.compile(exp_race_sample, dynamic=True)
-        return self._gumbel
+                self._exp_race = torch.compile(exp_race_sample, dynamic=True)
+        return self._exp_race
 
     def _hit_stop_string(self, response: list[int], stops: list[str]) -> bool:
         if not stops:
@@ -273,19 +276,9 @@ class LocalEngine:
             raise ValueError("DARTS generation needs the lean decoder (LocalEngine decoder=auto)")
         if len(counters) != len(prompts):
             raise ValueError(f"{len(counters)} DARTS counters for {len(prompts)} prompts")
-        if sampling.seed is not None:
-            self.generator.manual_seed(sampling.seed)
         requests = [p for p, c in zip(prompts, counters) for _ in range(c.m)]
         group = [k for k, c in enumerate(counters) for _ in range(c.m)]
-        if any(len(p) == 0 for p in requests):
-            raise ValueError("empty prompt given to the rollout engine")
-        was_training = self.module.training
-        self.module.eval()
-        try:
-            samples = self._generate_continuous(requests, sampling, group, counters)
-        finally:
-            self.module.train(was_training)
-            self._aborted.clear()
+        samples = self._run(requests, sampling, group, counters)
         out: list[list[Sample]] = [[] for _ in prompts]
         stats = {"generated": 0, "rejected": 0, "pruned": 0, "generated_tokens": 0}
         for k, s in zip(group, samples):
@@ -348,13 +341,17 @@ class LocalEngine:
             """Abort the running requests of prompts whose counter says so (B.5 tail pruning)."""
             if not newly_pruned:
                 return
-            hit = [int(s_) for s_ in np.flatnonzero(slot_req >= 0)
+            hit = [(int(s_), "abort") for s_ in np.flatnonzero(slot_req >= 0)
                    if group[slot_req[s_]] in newly_pruned]
             newly_pruned.clear()
-            for s_ in hit:
-                finish(s_, "abort")
-            if hit:
-                freed = torch.tensor(hit, device=dev)
+            finish_all(hit)
+
+        def finish_all(done: list[tuple[int, str]]) -> None:
+            """Finish (slot, reason) pairs and park their slots (inactive, position 0)."""
+            for slot, reason in done:
+                finish(slot, reason)
+            if done:
+                freed = torch.tensor([d[0] for d in done], device=dev)
                 active_dev[freed] = 0
                 dec.positions[freed] = 0
 
@@ -381,12 +378,7 @@ class LocalEngine:
                         done.append((slot, "abort"))
                     elif count[slot] >= max_new:
                         done.append((slot, "length"))
-            for slot, reason in done:
-                finish(slot, reason)
-            if done:
-                freed = torch.tensor([d[0] for d in done], device=dev)
-                active_dev[freed] = 0
-                dec.positions[freed] = 0
+            finish_all(done)
 
         def refill(free: list[int]) -> None:
             take = []
