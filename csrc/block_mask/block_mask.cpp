@@ -1,6 +1,8 @@
 // Diffusion block-masking family, CPU half. Contract and layout: block_mask.h.
 #include "block_mask/block_mask.h"
 
+#include "check.h"
+
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -32,12 +34,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> block_diffusion_struc
   const int64_t n = lens_t.size(0);
   std::vector<int64_t> off2(n + 1, 0);
   for (int64_t s = 0; s < n; ++s) {
-    TORCH_CHECK(lens[s] >= 0 && prompts[s] >= 0 && prompts[s] <= lens[s],
-                "block_diffusion_structure: sample ", s, " needs 0 <= prompt_len <= seq_len");
+    MRL_CHECK(lens[s] >= 0 && prompts[s] >= 0 && prompts[s] <= lens[s],
+              "block_diffusion_structure: sample ", s, " needs 0 <= prompt_len <= seq_len");
     off2[s + 1] = off2[s] + 2 * lens[s];
   }
-  TORCH_CHECK(off2[n] == 2 * total, "block_diffusion_structure: total=", total,
-              " but sum(seq_lens)=", off2[n] / 2);
+  MRL_CHECK(off2[n] == 2 * total, "block_diffusion_structure: total=", total,
+            " but sum(seq_lens)=", off2[n] / 2);
   const int64_t L = 2 * total;
   const int64_t T = (L + tile - 1) / tile;
   const auto opts = at::TensorOptions().dtype(at::kInt);
@@ -136,8 +138,8 @@ std::tuple<at::Tensor, at::Tensor> diffusion_mask_tokens_cpu(
   const int64_t* seeds = seed_t.data_ptr<int64_t>();
   for (int64_t s = 0; s < n; ++s) {
     TORCH_CHECK(cu[s + 1] >= cu[s], "diffusion_mask_tokens: cu_seqlens must be non-decreasing");
-    TORCH_CHECK(prompts[s] >= 0 && prompts[s] <= cu[s + 1] - cu[s],
-                "diffusion_mask_tokens: sample ", s, " needs 0 <= prompt_len <= length");
+    MRL_CHECK(prompts[s] >= 0 && prompts[s] <= cu[s + 1] - cu[s],
+              "diffusion_mask_tokens: sample ", s, " needs 0 <= prompt_len <= length");
   }
   at::Tensor out_ids = ids.clone();
   at::Tensor weights = at::zeros({ids.size(0)}, ids.options().dtype(at::kFloat));

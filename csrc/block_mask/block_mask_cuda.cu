@@ -12,6 +12,7 @@
 #include <torch/library.h>
 
 #include "block_mask/block_mask.h"
+#include "check.h"
 
 namespace megatron_rl {
 namespace {
@@ -102,8 +103,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> block_diffusion_struc
   at::Tensor off2 = at::zeros({n + 1}, lens.options());
   off2.slice(0, 1).copy_(at::cumsum(lens * 2, 0));
   const size_t smem = sizeof(int64_t) * 4 * tile + static_cast<size_t>(T);
-  TORCH_CHECK(smem <= 48 * 1024, "block_diffusion_structure: sequence too long for one q tile's "
-              "shared memory (", T, " kv tiles)");
+  MRL_CHECK(smem <= 48 * 1024, "block_diffusion_structure: sequence too long for one q tile's "
+            "shared memory (", T, " kv tiles)");
   structure_kernel<<<T, kStructThreads, smem, at::cuda::getCurrentCUDAStream()>>>(
       lens.data_ptr<int64_t>(), prompts.data_ptr<int64_t>(), off2.data_ptr<int64_t>(), n, L, T,
       static_cast<int>(tile), block_size, response_origin, kv_num.data_ptr<int32_t>(),

@@ -2,6 +2,8 @@
 // See packing.h for the layout; ops/reference.py holds the pure-Python/PyTorch twins.
 #include "packing/packing.h"
 
+#include "check.h"
+
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -191,14 +193,14 @@ namespace {
 // Comparisons are overflow-free (a start near INT64_MAX must not wrap to a small end).
 void check_segments_cpu(const int64_t* starts, const int32_t* cu, int64_t n, int64_t total,
                         int64_t num_rows, const char* op) {
-  TORCH_CHECK(cu[0] == 0, op, ": cu_seqlens[0] must be 0, got ", cu[0]);
-  TORCH_CHECK(cu[n] == total, op, ": cu_seqlens[-1]=", cu[n], " but total=", total);
-  TORCH_CHECK(num_rows >= 0, op, ": negative row count ", num_rows);
+  MRL_CHECK(cu[0] == 0, op, ": cu_seqlens[0] must be 0, got ", cu[0]);
+  MRL_CHECK(cu[n] == total, op, ": cu_seqlens[-1]=", cu[n], " but total=", total);
+  MRL_CHECK(num_rows >= 0, op, ": negative row count ", num_rows);
   for (int64_t s = 0; s < n; ++s) {
     const int64_t len = int64_t{cu[s + 1]} - cu[s];
-    TORCH_CHECK(len >= 0, op, ": cu_seqlens must be non-decreasing (segment ", s, ")");
-    TORCH_CHECK(starts[s] >= 0 && starts[s] <= num_rows - len, op, ": segment ", s, " (start ",
-                starts[s], ", length ", len, ") is outside the ", num_rows, " source rows");
+    MRL_CHECK(len >= 0, op, ": cu_seqlens must be non-decreasing (segment ", s, ")");
+    MRL_CHECK(starts[s] >= 0 && starts[s] <= num_rows - len, op, ": segment ", s, " (start ",
+              starts[s], ", length ", len, ") is outside the ", num_rows, " source rows");
   }
 }
 

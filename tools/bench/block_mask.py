@@ -17,9 +17,13 @@ natively (enable_gqa=True; no K/V expansion on our side). Gradients come from au
 - `block_mask_sweep` (CUDA): one line per flex `kernel_options` candidate (forward and fwd+bwd
   time per block size, compile time, difference to SDPA). Forward and backward options are
   separate keys (fwd_*, bwd_*), so the best forward and the best backward candidate are merged
-  and measured as one more candidate. Every candidate but the default sets ROWS_GUARANTEED_SAFE
-  (true of C.2). Each candidate costs one torch.compile of flex fwd + bwd: candidates start only
+  and measured as one more candidate. ROWS_GUARANTEED_SAFE is not swept: flex reads it per
+  kernel tile, and a noisy C.2 row can be fully masked inside a partial tile, which gave NaN on
+  the H200 (2026-12-03). Each candidate costs one torch.compile of flex fwd + bwd: candidates start only
   in the first --sweep-budget-s minus 30 seconds of the sweep, the merged one within the budget.
+- `block_mask_causal_reference` (CUDA): the same flex call with a plain causal BlockMask and SDPA's
+  flash kernel with is_causal=True, per visited 128x128 tile, i.e. the per-tile rate the C.2
+  mask could at best reach with this flex kernel.
 - `block_mask_best` (CUDA, per block size): the fastest candidate whose error to SDPA is no worse
   than the default's, beside SDPA re-timed at the end of the run.
 
@@ -42,8 +46,6 @@ from megatron_rl import ops
 from megatron_rl.ops import reference
 
 MiB = 2**20
-# Valid for the C.2 mask: every query attends at least to its own block.
-ROWS_SAFE = {"ROWS_GUARANTEED_SAFE": True}
 
 
 def _fwd(block_m, block_n, warps, stages):
@@ -58,14 +60,19 @@ def _bwd(m1, n1, m2, n2, warps, stages):
 
 # In order of expected value; the H100/H200 defaults of torch 2.11 are fwd (128, 64, 8 warps,
 # 3 stages) and bwd (64, 128, 128, 64, 8 warps, 3 stages). The backward is ~3/4 of the time.
+# "max-autotune" lets inductor time its own fwd and bwd config lists (the chosen configs are in
+# inductor's AUTOTUNE report on stderr) instead of taking fixed options.
 CANDIDATES: list[tuple[str, dict]] = [
     ("default", {}),
-    ("bwd_32.128.128.32_w8_s3", ROWS_SAFE | _bwd(32, 128, 128, 32, 8, 3)),
-    ("fwd_128.128_w8_s2", ROWS_SAFE | _fwd(128, 128, 8, 2)),
-    ("bwd_64.128.128.64_w8_s2", ROWS_SAFE | _bwd(64, 128, 128, 64, 8, 2)),
-    ("bwd_64.64.64.64_w4_s3", ROWS_SAFE | _bwd(64, 64, 64, 64, 4, 3)),
-    ("fwd_64.128_w4_s3", ROWS_SAFE | _fwd(64, 128, 4, 3)),
+    ("max-autotune", {}),
+    ("fwd_tma", {"fwd_USE_TMA": True}),
+    ("fwd_128.128_w8_s2", _fwd(128, 128, 8, 2)),
+    ("bwd_64.128.128.64_w8_s2", _bwd(64, 128, 128, 64, 8, 2)),
+    ("write_dq_false", {"WRITE_DQ": False}),
+    ("bwd_32.128.128.32_w8_s3", _bwd(32, 128, 128, 32, 8, 3)),
+    ("fwd_64.128_w4_s3", _fwd(64, 128, 4, 3)),
 ]
+AUTOTUNE_MODE = "max-autotune-no-cudagraphs"
 
 
 def _sync(device):
@@ -143,8 +150,12 @@ class Case:
             return out, ()
         return out, torch.autograd.grad(out, (self.q, self.k, self.v), self.grad)
 
-    def flex(self, kernel_options):
-        fn = torch.compile(flex_attention, dynamic=False) if self.compiled else flex_attention
+    def flex(self, kernel_options, mode=None):
+        fn = (
+            torch.compile(flex_attention, dynamic=False, mode=mode)
+            if self.compiled
+            else flex_attention
+        )
         opts = kernel_options or None
 
         def attn(q, k, v, bm):
@@ -227,7 +238,7 @@ def run_candidate(case: Case, blocks: list[dict], name: str, opts: dict) -> dict
     """Compile once, then per block size: forward ms, fwd+bwd ms, error to SDPA."""
     if case.compiled:
         torch._dynamo.reset()
-    attn = case.flex(opts)
+    attn = case.flex(opts, AUTOTUNE_MODE if name == "max-autotune" else None)
     t0 = time.perf_counter()
     case.step(attn, blocks[0]["bm"])
     _sync(case.device)
@@ -300,8 +311,41 @@ def main() -> None:
                 "total_peak_ratio": round(sm["total"] / max(fm["total"], 1), 2),
             }
         print(json.dumps(line), flush=True)
+    if dev == "cuda":
+        causal_reference(case, blocks[0], default)
     if dev == "cuda" and not args.no_sweep:
         sweep_and_report(case, blocks, default, args.sweep_budget_s)
+
+
+def causal_reference(case: Case, block: dict, default: dict) -> None:
+    """Flex (default options) with a causal BlockMask and SDPA flash causal, per visited tile."""
+    L, dev = case.L, case.device
+    causal = create_block_mask(lambda b, h, i, j: i >= j, 1, 1, L, L, device=dev, BLOCK_SIZE=128)
+
+    def tiles(bm):
+        return int(bm.kv_num_blocks.sum() + bm.full_kv_num_blocks.sum())
+
+    flex_ms = _time_ms(lambda: case.step(default["attn"], causal), dev, case.iters)
+    flash_ms = _time_ms(
+        lambda: case.step(
+            lambda q, k, v, _: F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                              enable_gqa=True), None),
+        dev, case.iters,
+    )  # fmt: skip
+    ours_ms, ours_tiles = default[f"S{block['S']}_ms"], tiles(block["bm"])
+    us = 1e3 / tiles(causal)
+    print(json.dumps({
+        "bench": "block_mask_causal_reference", "device": dev, "N": case.N,
+        "causal_tiles": tiles(causal), "flex_causal_fwd_bwd_ms": round(flex_ms, 3),
+        "flex_causal_us_per_tile": round(flex_ms * us, 3),
+        "sdpa_flash_causal_fwd_bwd_ms": round(flash_ms, 3),
+        "sdpa_flash_causal_us_per_tile": round(flash_ms * us, 3),
+        f"flex_c2_S{block['S']}_tiles": ours_tiles,
+        f"flex_c2_S{block['S']}_us_per_tile": round(ours_ms * 1e3 / ours_tiles, 3),
+        "c2_ms_at_flex_causal_rate": round(flex_ms * ours_tiles / tiles(causal), 3),
+        "c2_ms_at_flash_causal_rate": round(flash_ms * ours_tiles / tiles(causal), 3),
+        "baseline_sdpa_dense_fwd_bwd_ms": round(block["sdpa_ms"], 3),
+    }), flush=True)  # fmt: skip
 
 
 def sweep_and_report(case: Case, blocks: list[dict], default: dict, budget_s: float) -> None:
@@ -337,16 +381,15 @@ def sweep_and_report(case: Case, blocks: list[dict], default: dict, budget_s: fl
     def total(r, key):
         return sum(r[f"S{b['S']}_{key}"] for b in blocks)
 
-    ok = [r for r in results if valid(r)]
+    # Fixed options only (an autotuned candidate has no options to merge).
+    ok = [r for r in results if valid(r) and r["candidate"] != "max-autotune"]
     best_fwd = min(ok, key=lambda r: total(r, "fwd_ms"))
     best_bwd = min(ok, key=lambda r: total(r, "ms") - total(r, "fwd_ms"))
-    merged = ROWS_SAFE | {
-        k: v for k, v in best_fwd["kernel_options"].items() if k.startswith("fwd_")
-    }
+    merged = {k: v for k, v in best_fwd["kernel_options"].items() if not k.startswith("bwd_")}
     merged |= {k: v for k, v in best_bwd["kernel_options"].items() if k.startswith("bwd_")}
     if all(r["kernel_options"] != merged for r in results):
         sweep(f"merged({best_fwd['candidate']}+{best_bwd['candidate']})", merged, budget_s)
-        ok = [r for r in results if valid(r)]
+    ok = [r for r in results if valid(r)]
 
     for b in blocks:
         S = b["S"]
