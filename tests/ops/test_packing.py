@@ -155,7 +155,7 @@ def test_bad_layout_is_rejected():
 
 
 # Out-of-range layouts handed straight to the CPU ops. Run in a fresh interpreter so that a crash
-# (seen once under torch 2.11) fails this test with its faulthandler trace instead of ending the
+# (seen on the H200 image under torch 2.11 until csrc/check.h) fails this test with its faulthandler trace instead of ending the
 # session; "raw" loads only the C++ registrations, "registered" also the Python fake / autograd.
 _BAD_OPS_CHILD = """
 import torch
