@@ -19,8 +19,9 @@ natively (enable_gqa=True; no K/V expansion on our side). Gradients come from au
   separate keys (fwd_*, bwd_*), so the best forward and the best backward candidate are merged
   and measured as one more candidate. ROWS_GUARANTEED_SAFE is not swept: flex reads it per
   kernel tile, and a noisy C.2 row can be fully masked inside a partial tile, which gave NaN on
-  the H200 (2026-12-03). Each candidate costs one torch.compile of flex fwd + bwd: candidates start only
-  in the first --sweep-budget-s minus 30 seconds of the sweep, the merged one within the budget.
+  the H200 (2026-12-03). Each candidate costs one torch.compile of flex fwd + bwd: candidates
+  start only in the first --sweep-budget-s minus 30 seconds of the sweep, the merged one within
+  the budget.
 - `block_mask_causal_reference` (CUDA): the same flex call with a plain causal BlockMask and SDPA's
   flash kernel with is_causal=True, per visited 128x128 tile, i.e. the per-tile rate the C.2
   mask could at best reach with this flex kernel.
