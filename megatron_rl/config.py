@@ -177,7 +177,7 @@ class RolloutConfig:
     """Temperature used for evaluation (0 = greedy pass@1)."""
 
     darts: bool = False
-    """DARTS rollout shaping (ALGORITHMS.md B.3-B.5): a redundant pool of samples per prompt,
+    """DARTS rollout shaping (docs/algorithms.md B.3-B.5): a redundant pool of samples per prompt,
     n kept by finishing order (the shortest and the `darts_long_end` longest), tail pruning;
     built-in engine only."""
 
@@ -232,7 +232,7 @@ class RewardConfig:
     """Threads scoring responses in parallel (math-verify is run off the main thread)."""
 
     diversity: str = "none"
-    """DARLING diversity fusion (ALGORITHMS.md A.5): none | multiplicative (r = q * Div', the
+    """DARLING diversity fusion (docs/algorithms.md A.5): none | multiplicative (r = q * Div', the
     DARLING rule) | additive (r = q + diversity_weight * Div')."""
 
     diversity_equivalence: str = "ngram_jaccard"
@@ -270,7 +270,7 @@ class RewardConfig:
 @dataclass(kw_only=True)
 class AlgorithmConfig:
     adv_estimator: str = "grpo"
-    """Advantage estimator: grpo | drgrpo | rloo (ALGORITHMS.md notation)."""
+    """Advantage estimator: grpo | drgrpo | rloo (docs/algorithms.md notation)."""
 
     norm_adv_by_std: bool = True
     """Divide GRPO advantages by the group std (False = Dr.GRPO / DARLING mean-only)."""
@@ -428,7 +428,7 @@ class SFTOptions:
     """auto (the model family picks: causal LM, masked diffusion or block diffusion)."""
 
     diffusion_eps: float = 1e-3
-    """Diffusion LMs: floor of the mask ratio, p = (1 - eps) t + eps (ALGORITHMS.md C.0.3)."""
+    """Diffusion LMs: floor of the mask ratio, p = (1 - eps) t + eps (docs/algorithms.md C.0.3)."""
 
     diffusion_pad_eos: int = 0
     """Diffusion LMs: pad every response with EOS to at least this many tokens, trained on like

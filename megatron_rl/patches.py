@@ -6,7 +6,7 @@ when CUDA is available. One shim (10) covers a missing Transformer-Engine and ap
 written for megatron-core 0.16.1 (`PINNED_MEGATRON_VERSION`), and `check_patch_targets()` (run by
 the tests) fails loudly when a version bump moves or removes a target.
 
-The list (DESIGN.md, "Megatron-Core on CPU"):
+The list (docs/design.md, "Megatron-Core on CPU"):
   1. torch.cuda.current_device / set_device / device_count -> the CPU device
   2. the CUDA RNG tracker -> the CPU default generator
   3. torch.cuda.synchronize -> no-op

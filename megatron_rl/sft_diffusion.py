@@ -6,7 +6,7 @@ Same data, optimizer, evaluation and export as the autoregressive SFT in sft.py;
   training forward and SDPA for sampling (`attention_backend` "flex_sdpa" under "auto");
 - the loss is the masked-diffusion loss weighted 1/t (LLaDA, Dream: bidirectional per sample)
   or the block-diffusion loss over the [noisy | clean] layout with the C.2 mask (SDAR),
-  normalized by the response tokens of the whole step (ALGORITHMS.md C.0.3, C.2);
+  normalized by the response tokens of the whole step (docs/algorithms.md C.0.3, C.2);
 - responses may be padded with EOS to a fixed length (`sft.diffusion_pad_eos`, LLaDA's SFT
   recipe), so the sampler's generation length matches training;
 - held-out pass@1 is decoded by the family's sampler (`rollout.diffusion`).

@@ -205,7 +205,7 @@ def _checkpoint_root(tr) -> str:
 
 
 def _darts_rollout(engine, prompts, stats: LengthStats, rc, sampling, metrics: dict) -> list:
-    """DARTS (ALGORITHMS.md B.3-B.5): a pool of m_k samples per prompt sized from its length
+    """DARTS (docs/algorithms.md B.3-B.5): a pool of m_k samples per prompt sized from its length
     spread, n kept per prompt by finishing order, the tail pruned; the spread statistics are
     updated with the kept lengths. Adds darts/* counts to `metrics` (summed over dynamic-sampling
     rounds; pool_mean of the last round)."""

@@ -6,7 +6,7 @@
 #   resolution pulls a multi-GB CUDA build.
 # - Where the system Python already has a CUDA torch (an NGC container, the H200 image) the venv
 #   is created with --system-site-packages and that torch is reused.
-# - megatron-core is pinned to 0.16.1 (the newest release for Python 3.11; see DESIGN.md).
+# - megatron-core is pinned to 0.16.1 (the newest release for Python 3.11; see docs/design.md).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"

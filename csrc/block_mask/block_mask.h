@@ -1,5 +1,5 @@
 // Diffusion block-masking kernel family: the flex_attention block structure of the BD3-LM
-// training mask (ALGORITHMS.md C.2) and the masking noise of C.0 / C.5.2 (CPU + CUDA).
+// training mask (docs/algorithms.md C.2) and the masking noise of C.0 / C.5.2 (CPU + CUDA).
 //
 // Layout (C.2): packed samples of valid lengths N_s as [noisy_1, clean_1, noisy_2, clean_2, ...],
 // L = 2 * sum(N_s). Token i of a sample (0 <= i < N) sits at 2*off_s + i (noisy) and

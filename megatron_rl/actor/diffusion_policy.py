@@ -1,4 +1,4 @@
-"""Forward/backward of a diffusion LM policy on packed diffusion batches (ALGORITHMS.md C.0, C.2).
+"""Forward/backward of a diffusion LM policy on packed diffusion batches (docs/algorithms.md C.0, C.2).
 
 `Policy` (actor/policy.py) owns the model, DDP wrapper and optimizer; its own forward is causal.
 These two functions run the same Megatron schedule (`get_forward_backward_func`) with the

@@ -3,7 +3,7 @@
 Every estimator takes `rewards_N` (float, one reward per sample) and `group_ids_N` (int64 in
 [0, num_groups), the prompt each sample answers; `types.group_index` builds it) and returns
 `advantages_N`, one scalar per sample that the actor broadcasts to the sample's response tokens
-(outcome reward, ALGORITHMS.md notation). Groups may have different sizes. Two rules hold for
+(outcome reward, docs/algorithms.md notation). Groups may have different sizes. Two rules hold for
 every estimator, by construction rather than by floating-point luck:
 - a group of one sample gets advantage 0 (no baseline can be formed);
 - a group whose rewards are all equal gets advantage 0 (no signal; DAPO filters such groups).
@@ -45,7 +45,7 @@ def grpo_advantages(
     norm_by_std: bool = True,
     eps: float = 1e-6,
 ) -> torch.Tensor:
-    """GRPO outcome advantage (ALGORITHMS.md notation; verl `compute_grpo_outcome_advantage`):
+    """GRPO outcome advantage (docs/algorithms.md notation; verl `compute_grpo_outcome_advantage`):
 
     A_i = (r_i - mean_g r) / (std_g r + eps)    if norm_by_std (std: unbiased, G - 1)
     A_i =  r_i - mean_g r                       otherwise (Dr.GRPO, DARLING A.6)

@@ -1,7 +1,7 @@
 """Policy-loss math: pure tensor functions on right-padded [B, T] response tokens.
 
 - `ppo_clip_loss`: the PPO clipped surrogate with clip-higher (eps_low, eps_high) and the
-  verl dual clip for negative advantages (ALGORITHMS.md notation):
+  verl dual clip for negative advantages (docs/algorithms.md notation):
       l_clip = max(-A * rho, -A * clip(rho, 1 - eps_low, 1 + eps_high))
       l      = min(l_clip, -A * c)   where A < 0 and c > 1;   l_clip elsewhere
 - `aggregate`: the four verl aggregation modes, with optional *global* normalizers so that the

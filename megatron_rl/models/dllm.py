@@ -8,7 +8,7 @@ here, keyed like `MODEL_FAMILIES` by config.json `architectures[0]`:
     spec.kind                                 # "masked" (MDLM) | "block" (BDLM)
     mask_token_id(hf_config), block_size(hf_config)
 
-ALGORITHMS.md C.1 (models), C.0.5 (Dream reads logits shifted by one), C.2 (block size).
+docs/algorithms.md C.1 (models), C.0.5 (Dream reads logits shifted by one), C.2 (block size).
 All diffusion families run their attention bidirectionally (`AttnMaskType.no_mask`): full
 bidirectional for MDLMs, the explicit C.2 / block-causal mask for BDLMs.
 """

@@ -1,7 +1,7 @@
 """transformers stand-ins of the diffusion families, for `megatron-rl check-parity`.
 
 The released LLaDA / Dream / SDAR modeling files are remote code we cannot load offline, but each
-family is a transformers backbone run under a different attention mask (ALGORITHMS.md C.1, C.2):
+family is a transformers backbone run under a different attention mask (docs/algorithms.md C.1, C.2):
 Dream = Qwen2, SDAR = Qwen3 (dense or MoE), LLaDA = Llama with its own tensor and config names.
 `backbone(hf_dir, hf_config, dtype)` loads the checkpoint's tensors into that backbone (LLaDA's
 renamed to Llama's), and `keep_mask(hf_config, lengths, s)` is the family's mask to run it with

@@ -1,6 +1,6 @@
 """Dream family (`DreamModel`): a Qwen2.5-initialized masked diffusion LM.
 
-Dream-v0 (ALGORITHMS.md C.1) keeps the Qwen2 architecture and tensor names (q/k/v biases,
+Dream-v0 (docs/algorithms.md C.1) keeps the Qwen2 architecture and tensor names (q/k/v biases,
 `model.layers.{i}.self_attn.q_proj.bias`, untied `lm_head`), runs it bidirectionally, and --
 being AR-initialized -- reads the prediction for position i from the output at i - 1 (C.0.5;
 `DiffusionSpec.shift_logits` in models/dllm.py, applied by the loss and the sampler).

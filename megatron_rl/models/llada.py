@@ -1,6 +1,6 @@
 """LLaDA family (`LLaDAModelLM`): a LLaMA-like bidirectional masked diffusion LM.
 
-LLaDA-8B (ALGORITHMS.md C.1): RMSNorm, SwiGLU, RoPE, MHA (or GQA via `n_kv_heads`), no biases,
+LLaDA-8B (docs/algorithms.md C.1): RMSNorm, SwiGLU, RoPE, MHA (or GQA via `n_kv_heads`), no biases,
 no causal mask, no time embedding. Its checkpoint uses OLMo-style config fields and tensor names
 (the names below are those of the released `modeling_llada.py`, which we cannot download here;
 they are recorded from the released checkpoint's weight map):

@@ -1,6 +1,6 @@
 """LLaDA2 family (`LLaDA2MoeModelLM`, model_type `llada2_moe`): block-diffusion MoE LM.
 
-LLaDA2.0-mini / -flash (ALGORITHMS.md C.1, C.3.5) keep the Ling / BailingMoeV2 structure and run
+LLaDA2.0-mini / -flash (docs/algorithms.md C.1, C.3.5) keep the Ling / BailingMoeV2 structure and run
 it under the block-diffusion masks of C.2 (block-causal at decode, [noisy | clean] in training):
 
 - attention: one fused projection `attention.query_key_value` whose rows are [q (all heads);

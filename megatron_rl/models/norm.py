@@ -1,7 +1,7 @@
 """RMSNorm/LayerNorm for the local (non-TE) spec that also works under sequence parallelism.
 
 megatron-core 0.16.1's `WrappedTorchNorm` asserts `not config.sequence_parallel`, yet MoE with
-TP > 1 trains with sequence parallelism (DESIGN.md, shim 11). A norm is a per-token op, so it is
+TP > 1 trains with sequence parallelism (docs/design.md, shim 11). A norm is a per-token op, so it is
 correct on a sequence shard as is; what sequence parallelism needs is that the norm's weight
 gradients (partial sums over this rank's tokens) are all-reduced across TP, which Megatron's
 `finalize_model_grads` does for parameters tagged `sequence_parallel = True`. `TorchNorm` builds

@@ -1,6 +1,6 @@
 """SDAR families (`SDARForCausalLM`, `SDARMoeForCausalLM`): Qwen3 dense / MoE block diffusion.
 
-SDAR (arXiv 2510.06303; ALGORITHMS.md C.1) converts a Qwen3 checkpoint into a block-diffusion
+SDAR (arXiv 2510.06303; docs/algorithms.md C.1) converts a Qwen3 checkpoint into a block-diffusion
 LM: same tensors and names as Qwen3 (`model.layers.{i}.self_attn.q_norm`, ...), same config
 fields, no time embedding; only the attention pattern changes (C.2 for training, block-causal
 with a cache of clean blocks for decoding), which lives in the caller's mask, not in weights.

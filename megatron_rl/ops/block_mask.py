@@ -1,6 +1,6 @@
 """Block-diffusion attention masks and masking noise (kernels: csrc/block_mask).
 
-ALGORITHMS.md C.2 layout: packed samples as [noisy_1, clean_1, noisy_2, clean_2, ...]. Two forms
+docs/algorithms.md C.2 layout: packed samples as [noisy_1, clean_1, noisy_2, clean_2, ...]. Two forms
 of the same rule:
 - `block_diffusion_mask`: the dense [L, L] bool mask (reference / debugging; L = 2 sum N).
 - `block_diffusion_block_mask`: the flex_attention BlockMask, its tile structure built by the
@@ -32,7 +32,7 @@ def block_diffusion_mask(
     prompt_lens: Sequence[int] | None = None,
     device: torch.device | str | None = None,
 ) -> torch.Tensor:
-    """Dense [L, L] bool mask (True = may attend), exactly ALGORITHMS.md C.2; O(L^2) memory."""
+    """Dense [L, L] bool mask (True = may attend), exactly docs/algorithms.md C.2; O(L^2) memory."""
     return reference.block_diffusion_mask(seq_lens, block_size, origin, prompt_lens, device)
 
 

@@ -233,7 +233,7 @@ class TokenStreamBuffer:
 
 
 # ---------------------------------------------------------------------------------------------
-# Diffusion block masking (csrc/block_mask), ALGORITHMS.md C.2 / C.0.4 / C.5.2
+# Diffusion block masking (csrc/block_mask), docs/algorithms.md C.2 / C.0.4 / C.5.2
 # ---------------------------------------------------------------------------------------------
 def block_diffusion_layout(
     seq_lens: Sequence[int],
@@ -304,7 +304,7 @@ def block_diffusion_mask(
     prompt_lens: Sequence[int] | None = None,
     device=None,
 ) -> torch.Tensor:
-    """Dense [L, L] bool mask (True = may attend) of ALGORITHMS.md C.2 over packed samples."""
+    """Dense [L, L] bool mask (True = may attend) of docs/algorithms.md C.2 over packed samples."""
     doc, clean, block = block_diffusion_layout(seq_lens, block_size, origin, prompt_lens, device)
     idx = torch.arange(doc.numel(), device=doc.device)
     return block_diffusion_allowed(doc, clean, block, idx[:, None], idx[None, :])

@@ -2,7 +2,7 @@
 
 Producers (engine callbacks, threads) append token chunks keyed by sample id; the consumer takes
 finished samples in completion order, or with partial=True also the chunks of unfinished samples
-so far (DARTS token-level overlap, ALGORITHMS.md B.6). Each token is handed out exactly once, in
+so far (DARTS token-level overlap, docs/algorithms.md B.6). Each token is handed out exactly once, in
 order per sample. The C++ side releases the GIL, so producers run in parallel.
 
     buf = TokenStreamBuffer(capacity_tokens=1 << 22)

@@ -149,7 +149,7 @@ def build_reward(cfg: RewardConfig, task_name: str) -> RewardFn:
 
 
 def overlong_penalty(length: int, max_new_tokens: int, buffer_len: int, factor: float) -> float:
-    """DAPO overlong shaping (ALGORITHMS.md B.7):
+    """DAPO overlong shaping (docs/algorithms.md B.7):
     r_len = min(-(|y| - (L_max - L_buf)) / L_buf * lambda, 0), L_max = max_new_tokens."""
     return min(-(length - (max_new_tokens - buffer_len)) / buffer_len * factor, 0.0)
 

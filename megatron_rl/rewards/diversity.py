@@ -1,4 +1,4 @@
-"""DARLING diversity reward (Li et al. 2025, arXiv 2509.02534; ALGORITHMS.md A.2.4, A.3, A.5).
+"""DARLING diversity reward (Li et al. 2025, arXiv 2509.02534; docs/algorithms.md A.2.4, A.3, A.5).
 
 For the G responses of one prompt:
 1. evaluate an equivalence predicate on all G(G-1)/2 unordered pairs (one batched call, so a

@@ -1,6 +1,6 @@
 """DARTS rollout shaping: a redundant pool per prompt, dual-end selection, adaptive redundancy.
 
-ALGORITHMS.md part B (sections B.3-B.5). For each prompt k the engine launches m_k >= M
+docs/algorithms.md part B (sections B.3-B.5). For each prompt k the engine launches m_k >= M
 samples (M = `rollout.n`, the GRPO group size) and keeps exactly M of them by finishing order:
 the K = M - L_k earliest finishers (the shortest) and the L_k last (the longest); the middle of
 the pool is rejected. With L_k = 0 the requests still running once M have finished are aborted

@@ -1,4 +1,4 @@
-"""Diffusion-LM samplers behind the rollout-engine protocol (ALGORITHMS.md C.3).
+"""Diffusion-LM samplers behind the rollout-engine protocol (docs/algorithms.md C.3).
 
 `DiffusionEngine.generate(prompts, n, SamplingParams)` returns `Sample`s like the AR engines;
 the sampler is picked by `DiffusionSampling.algorithm`:
@@ -65,7 +65,7 @@ _RULES = {
 
 @dataclass(kw_only=True)
 class DiffusionSampling:
-    """Sampler choice and its knobs (defaults: DARE / SDAR values, ALGORITHMS.md C.3)."""
+    """Sampler choice and its knobs (defaults: DARE / SDAR values, docs/algorithms.md C.3)."""
 
     algorithm: str = "sdar"
     """llada | dream | sdar | llada2."""
@@ -85,7 +85,7 @@ class DiffusionSampling:
     alg_temp: float = 0.0
     """Dream: 0 commits the top-k by confidence, > 0 samples positions from softmax(conf/alg_temp)."""
     token_editing: bool = False
-    """llada2 only: LLaDA2.1 token editing (ALGORITHMS.md C.3.5). False = LLaDA2.0 decoding."""
+    """llada2 only: LLaDA2.1 token editing (docs/algorithms.md C.3.5). False = LLaDA2.0 decoding."""
     editing_threshold: float = 0.9
     """LLaDA2.1: a decoded (non-prompt) token of the current block is replaced by the new sample
     when they differ and the sample's probability is > this (C.3.5; HF signature default 0.9)."""

@@ -268,7 +268,7 @@ class LocalEngine:
 
     def generate_groups(self, prompts: list[list[int]], counters: list, sampling: SamplingParams
                         ) -> list[list[Sample]]:
-        """DARTS generation (ALGORITHMS.md B.3/B.5, `rollout.darts`): counters[k].m requests for
+        """DARTS generation (docs/algorithms.md B.3/B.5, `rollout.darts`): counters[k].m requests for
         prompts[k], kept or rejected by the prompt's `DualEndCounter` in finishing order, the
         rest of a prompt aborted once its counter says `prune`. Returns the kept samples of each
         prompt (request order); `self.last_darts` counts generated, rejected and pruned ones."""

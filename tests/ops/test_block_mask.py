@@ -1,4 +1,4 @@
-"""Block-diffusion masks (ALGORITHMS.md C.2) and masking noise (C.0.4, C.5.2) vs the twins:
+"""Block-diffusion masks (docs/algorithms.md C.2) and masking noise (C.0.4, C.5.2) vs the twins:
 the dense rule vs a literal transcription, the kernel's tile structure vs the dense mask and
 vs create_block_mask, flex_attention vs SDPA, and the noise kernel vs its reference."""
 
@@ -17,7 +17,7 @@ SETTINGS = settings(max_examples=30, deadline=None)
 
 
 def literal_c2_mask(seq_lens, S, origin, prompt_lens):
-    """ALGORITHMS.md C.2 steps 3, 4 and 6 transcribed with Python loops."""
+    """docs/algorithms.md C.2 steps 3, 4 and 6 transcribed with Python loops."""
     L = 2 * sum(seq_lens)
     mask = torch.zeros(L, L, dtype=torch.bool)
     off = 0

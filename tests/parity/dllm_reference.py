@@ -1,4 +1,4 @@
-"""Slow pure-PyTorch reference forwards of the diffusion families, written from ALGORITHMS.md C.1 /
+"""Slow pure-PyTorch reference forwards of the diffusion families, written from docs/algorithms.md C.1 /
 C.2 and the tensor names in models/{llada,dream,sdar}.py -- not from Megatron.
 
 One function, `reference_logits(state_dict, hf, ids, pos, keep)`, covers the four families:

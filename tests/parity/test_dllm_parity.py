@@ -2,7 +2,7 @@
 
 Chain proven (fp32, CPU):
 1. The released modeling files cannot be downloaded here, so each family's forward is written
-   from ALGORITHMS.md in `dllm_reference.py` and run on the same HF-named safetensors that
+   from docs/algorithms.md in `dllm_reference.py` and run on the same HF-named safetensors that
    `models.weights.load_hf_weights` loads into Megatron (LLaDA's own names, Dream = Qwen2 names,
    SDAR = Qwen3 dense / MoE names). Megatron's logits agree within 1e-4 for
    - LLaDA / Dream: bidirectional attention over right-padded rows (pad keys masked);

@@ -1,4 +1,4 @@
-"""Advantage estimators pinned to hand-computed values (ALGORITHMS.md notation)."""
+"""Advantage estimators pinned to hand-computed values (docs/algorithms.md notation)."""
 
 import math
 

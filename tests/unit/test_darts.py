@@ -1,4 +1,4 @@
-"""DARTS rollout shaping (ALGORITHMS.md B.3-B.5): the dual-end counter, the redundancy solver
+"""DARTS rollout shaping (docs/algorithms.md B.3-B.5): the dual-end counter, the redundancy solver
 against brute force, the length statistics, and the engine keeping n per prompt by finishing
 order (with and without tail pruning)."""
 

@@ -1,4 +1,4 @@
-"""DARLING partition, diversity score and fusion (ALGORITHMS.md A.2.4, A.3, A.5)."""
+"""DARLING partition, diversity score and fusion (docs/algorithms.md A.2.4, A.3, A.5)."""
 
 import pytest
 

@@ -1,4 +1,4 @@
-"""ELBO estimators of megatron_rl.algo.dllm.elbo (ALGORITHMS.md C.0) against exact enumeration.
+"""ELBO estimators of megatron_rl.algo.dllm.elbo (docs/algorithms.md C.0) against exact enumeration.
 
 The toy: a 6-token response scored by a small fixed bidirectional function of the corrupted
 sequence; its log-probs are tabulated for all 64 masks, so every estimator's draws can be scored

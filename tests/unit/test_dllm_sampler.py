@@ -1,4 +1,4 @@
-"""Diffusion samplers (megatron_rl.rollout.diffusion, ALGORITHMS.md C.3) on tiny random Megatron
+"""Diffusion samplers (megatron_rl.rollout.diffusion, docs/algorithms.md C.3) on tiny random Megatron
 models: no mask token in any output, stop handling, tau = 1 block decoding = one top-1 commit per
 step, and the KV-cached block decoder = the uncached (window re-forward) one.
 

@@ -1,6 +1,6 @@
 """Diffusion training batches and forward (megatron_rl.algo.dllm.sft_loss, actor.diffusion_policy).
 
-Invariants (ALGORITHMS.md C.2, C.0.5, C.0.6):
+Invariants (docs/algorithms.md C.2, C.0.5, C.0.6):
 - with nothing masked, the noisy half's logits of the packed [noisy | clean] layout equal a plain
   forward over the clean sequence under the block-causal mask (kernel and dense BlockMask alike);
 - a packed masked-diffusion batch gives each sample the logits of its own bidirectional forward;

@@ -1,5 +1,5 @@
 """Block-diffusion attention: flex_attention with the kernel's BlockMask vs SDPA with the dense
-ALGORITHMS.md C.2 mask, forward + backward time and attention memory, from one run.
+docs/algorithms.md C.2 mask, forward + backward time and attention memory, from one run.
 
 One sample of N tokens (attention length 2N) in the [noisy, clean] layout, block sizes 4 and 32,
 SDAR-1.7B attention shape (16 query heads, 8 KV heads, head dim 128, bf16). Both sides take GQA

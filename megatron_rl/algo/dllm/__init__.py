@@ -1,4 +1,4 @@
-"""Diffusion-LM (DARE, ALGORITHMS.md part C) likelihoods and losses.
+"""Diffusion-LM (DARE, docs/algorithms.md part C) likelihoods and losses.
 
 - `elbo`: the ELBO of a masked diffusion LM (C.0.2 continuous time, C.0.3 discrete counts),
   stratified / antithetic / complementary mask draws, and the stored per-sample `Corruption`

@@ -1,4 +1,4 @@
-"""ELBO of a masked diffusion LM and the corruptions that estimate it (ALGORITHMS.md C.0).
+"""ELBO of a masked diffusion LM and the corruptions that estimate it (docs/algorithms.md C.0).
 
 Absorbing-state corruption (C.0.1): prompt tokens stay clean, each response token is replaced by
 [MASK]; only masked positions are scored. For a response y of L tokens the likelihood bound is

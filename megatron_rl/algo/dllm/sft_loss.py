@@ -1,4 +1,4 @@
-"""Packed training batches and the weighted cross entropy of diffusion LMs (ALGORITHMS.md C.0, C.2).
+"""Packed training batches and the weighted cross entropy of diffusion LMs (docs/algorithms.md C.0, C.2).
 
 Two layouts, both packed into one THD row (C.0.6) and run with flex attention:
 - masked diffusion (LLaDA, Dream): each sample is [prompt | corrupted response], bidirectional
