@@ -93,6 +93,9 @@ setup(
         ],
         # Cluster-side; never required by the embedded CPU path.
         "cluster": ["nemo-run", "leptonai<0.47"],
+        # NeMo-Run launch scripts in tools/launch/ (never imported by megatron_rl/). leptonai
+        # 0.47+ breaks `import nemo_run` 0.11.1. Pulls ray (~440 MB) and pins urllib3<1.27.
+        "launch": ["nemo-run==0.11.1", "leptonai<0.47"],
     },
     entry_points={"console_scripts": ["megatron-rl=megatron_rl.cli:main"]},
 )
