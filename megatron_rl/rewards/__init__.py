@@ -14,6 +14,13 @@ all G responses of one prompt at once (DARLING needs the whole group); mark it w
     def my_group_reward(responses: list[str], ground_truths: list, *, prompts: list[str],
                         samples: list[Sample]) -> list[float | dict]: ...
 
+A *step* reward function (`@step_reward`) gets all groups of a step at once, as lists of
+groups; DARLING's is one, so every pair of every group reaches its classifier in one batch:
+
+    @step_reward
+    def my_step_reward(responses: list[list[str]], ground_truths: list[list], *,
+                       prompts: list[list[str]], samples: list[list[Sample]]) -> list[list[...]]: ...
+
 Select one with `reward.name`: a REWARDS key, `auto` (the task's own scorer), or
 `package.module:function` / `path/to/file.py:function` (`load_by_path`).
 
@@ -60,6 +67,16 @@ def is_group_reward(fn: Callable) -> bool:
     return bool(getattr(fn, "group_level", False))
 
 
+def step_reward(fn: Callable) -> Callable:
+    """Mark `fn` as a step reward function (it receives all groups of a step at once)."""
+    fn.step_level = True
+    return fn
+
+
+def is_step_reward(fn: Callable) -> bool:
+    return bool(getattr(fn, "step_level", False))
+
+
 def load_by_path(path: str) -> Callable:
     """The callable at "package.module:function" or "path/to/file.py:function"."""
     module_name, sep, attr = path.rpartition(":")
@@ -97,35 +114,76 @@ def _scaled(verifier: Callable, correct: float, incorrect: float) -> RewardFn:
     return reward
 
 
-def _darling(quality_fn: RewardFn, cfg: RewardConfig) -> RewardFn:
-    """Group reward: quality of each response fused with its DARLING diversity (A.5)."""
-    equivalent = diversity.build_equivalence(
-        cfg.diversity_equivalence, threshold=cfg.diversity_threshold, ngram=cfg.diversity_ngram
-    )
+def darling_reward(
+    quality_fn: RewardFn,
+    equivalent: diversity.EquivalenceFn,
+    *,
+    fusion: str = "multiplicative",
+    floor: float = 0.1,
+    weight: float = 1.0,
+    partition_correct: bool = False,
+    num_workers: int = 8,
+) -> RewardFn:
+    """Step reward: each response's quality fused with its DARLING diversity (A.3, A.5).
 
-    @group_reward
-    def darling(responses, ground_truths, *, prompts, samples):
+    Quality comes from `quality_fn` (per sample, in a pool of `num_workers` threads, or per
+    group); then every group of the step is partitioned with ONE `equivalent` call
+    (`diversity.partition_groups`). With `partition_correct` only the correct responses
+    (quality's `correct` >= 0.5, or score > 0 when it has no `correct`) are partitioned and
+    the others get the floor (A.3, math variant)."""
+    diversity.fuse([], [], fusion)  # unknown fusion fails here, not at the first step
+
+    def quality_of_group(args):
+        responses, gts, prompts, samples = args
         if is_group_reward(quality_fn):
-            quality = [
-                _as_dict(r, quality_fn)
-                for r in quality_fn(responses, ground_truths, prompts=prompts, samples=samples)
-            ]
-        else:
-            quality = [
-                _as_dict(quality_fn(r, gt, prompt=p, sample=s), quality_fn)
-                for r, gt, p, s in zip(responses, ground_truths, prompts, samples)
-            ]
-        labels = diversity.partition_texts(responses, equivalent)
-        div = diversity.diversity_scores(labels, floor=cfg.diversity_floor)
-        q = [d["score"] for d in quality]
-        fused = diversity.fuse(q, div, cfg.diversity, weight=cfg.diversity_weight)
-        num_classes = float(max(labels) + 1)
+            out = quality_fn(responses, gts, prompts=prompts, samples=samples)
+            return [_as_dict(r, quality_fn) for r in out]
         return [
-            {**qd, "score": r, "quality": qs, "diversity": d, "num_classes": num_classes}
-            for qd, r, qs, d in zip(quality, fused, q, div)
+            _as_dict(quality_fn(r, gt, prompt=p, sample=s), quality_fn)
+            for r, gt, p, s in zip(responses, gts, prompts, samples)
         ]
 
+    @step_reward
+    def darling(responses, ground_truths, *, prompts, samples):
+        with ThreadPoolExecutor(max_workers=num_workers) as pool:
+            quality = list(
+                pool.map(quality_of_group, zip(responses, ground_truths, prompts, samples))
+            )
+        include = None
+        if partition_correct:
+            include = [
+                [d.get("correct", float(d["score"] > 0)) >= 0.5 for d in group] for group in quality
+            ]
+        labels = diversity.partition_groups(responses, equivalent, include)
+        out = []
+        for group_quality, group_labels in zip(quality, labels):
+            div = diversity.diversity_scores(group_labels, floor=floor)
+            q = [d["score"] for d in group_quality]
+            fused = diversity.fuse(q, div, fusion, weight=weight)
+            num_classes = float(max(group_labels, default=-1) + 1)
+            out.append(
+                [
+                    {**qd, "score": r, "quality": qs, "diversity": d, "num_classes": num_classes}
+                    for qd, r, qs, d in zip(group_quality, fused, q, div)
+                ]
+            )
+        return out
+
     return darling
+
+
+def _darling(quality_fn: RewardFn, cfg: RewardConfig) -> RewardFn:
+    """The DARLING step reward configured by `reward.diversity`."""
+    d = cfg.diversity
+    return darling_reward(
+        quality_fn,
+        diversity.build_equivalence(d),
+        fusion=d.mode,
+        floor=d.floor,
+        weight=1.0 if d.weight is None else d.weight,
+        partition_correct=d.partition_correct,
+        num_workers=cfg.num_workers,
+    )
 
 
 def build_reward(cfg: RewardConfig, task_name: str) -> RewardFn:
@@ -145,7 +203,7 @@ def build_reward(cfg: RewardConfig, task_name: str) -> RewardFn:
         raise ValueError(
             f"reward.name: unknown {name!r}; known: auto, {sorted(REWARDS)}, or pkg.module:function"
         )
-    return fn if cfg.diversity == "none" else _darling(fn, cfg)
+    return fn if cfg.diversity.mode == "none" else _darling(fn, cfg)
 
 
 def overlong_penalty(length: int, max_new_tokens: int, buffer_len: int, factor: float) -> float:
@@ -175,16 +233,34 @@ def compute_rewards(
     """Score `samples` in place (sample.reward, sample.reward_metrics) and return batch means
     for logging. Per-sample functions run in a thread pool of reward.num_workers; group
     functions get each group (by group_id, in order). The DAPO overlong penalty, when
-    reward.overlong_buffer_len > 0, is added after scoring (needs max_new_tokens)."""
+    reward.overlong_buffer_len > 0, is added after scoring (needs max_new_tokens). A step
+    function gets all groups at once."""
     if not samples:
         return {}
     responses = [tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples]
     prompts = [tokenizer.decode(s.prompt_ids, skip_special_tokens=True) for s in samples]
+    groups: dict[str, list[int]] = {}
+    for i, s in enumerate(samples):
+        groups.setdefault(s.group_id, []).append(i)
     with ThreadPoolExecutor(max_workers=cfg.num_workers) as pool:
-        if is_group_reward(reward_fn):
-            groups: dict[str, list[int]] = {}
-            for i, s in enumerate(samples):
-                groups.setdefault(s.group_id, []).append(i)
+        if is_step_reward(reward_fn):
+            idxs = list(groups.values())
+            out = reward_fn(
+                [[responses[i] for i in idx] for idx in idxs],
+                [[samples[i].ground_truth for i in idx] for idx in idxs],
+                prompts=[[prompts[i] for i in idx] for idx in idxs],
+                samples=[[samples[i] for i in idx] for idx in idxs],
+            )
+            if [len(g) for g in out] != [len(idx) for idx in idxs]:
+                raise ValueError(
+                    f"step reward function returned groups of sizes {[len(g) for g in out]} "
+                    f"for groups of sizes {[len(idx) for idx in idxs]}"
+                )
+            results: list = [None] * len(samples)
+            for idx, group_out in zip(idxs, out):
+                for i, r in zip(idx, group_out):
+                    results[i] = r
+        elif is_group_reward(reward_fn):
 
             def score_group(idx):
                 out = reward_fn(
@@ -199,7 +275,7 @@ def compute_rewards(
                     )
                 return out
 
-            results: list = [None] * len(samples)
+            results = [None] * len(samples)
             for idx, out in zip(groups.values(), pool.map(score_group, groups.values())):
                 for i, r in zip(idx, out):
                     results[i] = r

@@ -2,6 +2,7 @@
 
 import pytest
 
+from megatron_rl.config import DiversityConfig
 from megatron_rl.rewards.diversity import (
     batched,
     build_equivalence,
@@ -68,10 +69,14 @@ def test_partition_texts_one_batched_call_over_all_pairs():
 
 
 def test_build_equivalence():
-    eq = build_equivalence("text")
+    eq = build_equivalence(DiversityConfig(equivalence="text"))
     assert eq([("a b", "A  b"), ("a", "b")]) == [True, False]
-    assert build_equivalence("ngram_jaccard")([("x", "x")]) == [True]
-    user = build_equivalence("megatron_rl.rewards.diversity:batched")
-    assert user is batched
-    with pytest.raises(ValueError, match="diversity_equivalence"):
-        build_equivalence("classifier")
+    assert build_equivalence(DiversityConfig())([("x", "x")]) == [True]  # ngram_jaccard
+    user = build_equivalence(DiversityConfig(equivalence="megatron_rl.rewards.diversity:batched"))
+    assert user.backend is batched  # behind the short-answer rule
+    with pytest.raises(ValueError, match="equivalence"):
+        DiversityConfig(equivalence="bert")
+    with pytest.raises(ValueError, match="classifier_path"):
+        DiversityConfig(equivalence="classifier")
+    with pytest.raises(ValueError, match="urls"):
+        DiversityConfig(equivalence="http")
