@@ -158,6 +158,17 @@ def diffusion_train_step(
             "lr": float(policy.optimizer.param_groups[0]["lr"]), "update_skipped": float(not ok)}
 
 
+def diffusion_backward(
+    policy: Policy, batches: list[PackedDiffusionBatch], closure, mask_impl: str = "kernel"
+) -> list[dict]:
+    """Forward and backward of every batch in train mode, gradients accumulating in the model
+    (no zeroing, no optimizer step): the RL objectives' replay pass (actor.diffusion_objective).
+    closure(batch, lp [K]) -> (loss, metrics); scale the loss by (len(batches) x DP size) as
+    `diffusion_train_step` does, to undo Megatron's averaging."""
+    policy.model.train()
+    return _run(policy, batches, False, closure, mask_impl)
+
+
 @torch.no_grad()
 def diffusion_logprobs(
     policy: Policy, batches: list[PackedDiffusionBatch], mask_impl: str = "kernel"
