@@ -15,14 +15,16 @@ policies because the corruption is stored (C.0.4).
 `objective_backward` is the update with memory constant in the number of MC views (C.7, C.4
 item 8). Every objective's loss is a function of the per-view log-probs lp, so its gradient is
 sum_views (d loss / d lp) . (d lp / d theta):
-1. values: lp of the current policy without grad (or `values` passed in: at the evaluation
-   point of a strictly on-policy update these ARE the old log-probs, bitwise, so the step costs
-   what DARE's does, e.g. n F(old) + n (F + B) for BGPO);
+1. values: lp of the current policy without grad, by the same path as the old log-probs (or
+   `values` passed in: at the evaluation point of a strictly on-policy update these are the
+   old log-probs themselves, so the step costs what DARE's does, e.g. n F(old) + n (F + B) for
+   BGPO). Either way the loss sees current == old bitwise there: every ratio is exactly 1;
 2. g = d loss / d lp on those detached values (the loss runs once, on the whole local batch);
 3. replay: one forward + backward per packed view with the surrogate sum_k g_k lp_k, gradients
    accumulating through Megatron's schedule; one view's activations alive at a time.
-The replayed lp must equal the values (`replay_max_abs_diff` reports it; 0 on a deterministic
-forward); a changed lp would mean the gradient was taken at the wrong point.
+The replayed lp equals the values up to kernel rounding (`replay_max_abs_diff`; on CPU the
+grad-mode attention is SDPA on the materialized mask, the no-grad one flex attention: ~1e-7);
+a large value would mean the gradient was taken at the wrong point (weights changed between).
 `objective_backward_reference` is the slow reference: every view in one autograd graph.
 """
 
