@@ -273,6 +273,22 @@ def test_corruptions_reproducible_per_sample_and_fresh_per_iteration(obj):
         obj.corruptions([[1]], [[]], seed=0, sample_indices=[0], iteration=0)
 
 
+@pytest.mark.parametrize("stratified", [True, False])
+def test_stratified_count_views_estimate_the_exact_elbo(stratified):
+    """The BGPO / VRPO draws (counts, then positions per view from its own seed) are unbiased:
+    their ELBO estimate averages to the enumerated ELBO of test_dllm_elbo's toy table."""
+    from test_dllm_elbo import CODES, TABLE, _exact
+
+    L, num = 6, 3000
+    obj = VRPO(VRPOConfig(mc_num=4, stratified=stratified, norm_len=1))
+    cs = obj.corruptions([[1]] * num, [[2] * L] * num, seed=3, sample_indices=list(range(num)),
+                         iteration=0)
+    lps = [TABLE[(c.masked.long() * CODES).sum(-1)].float() * c.masked for c in cs]
+    est = obj.elbo(stack_views(lps), _batch(cs, [0.0] * num)).double()
+    sem = float(est.std()) / math.sqrt(num)
+    assert abs(float(est.mean()) - _exact()) <= 5 * sem
+
+
 def test_view_batches_apply_prompt_masks_and_scatter_round_trips():
     prompts, responses = [[1, 2, 3], [4, 5]], [[6, 7, 8, 9], [10, 11]]
     cs = [_view([[True, False, True, False], [False] * 4], [[2.0, 0, 2.0, 0], [0.0] * 4],

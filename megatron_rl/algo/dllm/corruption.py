@@ -133,12 +133,13 @@ def stratified_count_views(
     "optimal allocation", C.0.4); otherwise i.i.d. l_j ~ U{1..L}. View j's positions come from
     its own generator (MC index j).
     """
+    gens = [generator_of(j) for j in range(n)]  # one stream per view: its count, then positions
     if stratified:
         k = int(torch.randint(1, L + 1, (1,), generator=generator_of(SHARED)))
         counts = stratified_counts(L, n, k)
     else:
-        counts = [int(torch.randint(1, L + 1, (1,), generator=generator_of(j))) for j in range(n)]
-    masked = torch.stack([uniform_subset(L, c, generator_of(j)) for j, c in enumerate(counts)])
+        counts = [int(torch.randint(1, L + 1, (1,), generator=g)) for g in gens]
+    masked = torch.stack([uniform_subset(L, c, g) for c, g in zip(counts, gens)])
     weight = masked * (L / torch.tensor(counts, dtype=torch.float64))[:, None]
     return masked, weight.float()
 
