@@ -3,14 +3,17 @@
     megatron-rl train  [--config RECIPE.yaml] [key=value ...]   RL (GRPO/DAPO/...) training
     megatron-rl sft    [--config RECIPE.yaml] [key=value ...]   supervised fine-tuning
     megatron-rl eval   [--config RECIPE.yaml] [key=value ...]   pass@1 on the held-out set
+    megatron-rl config [train|sft]                              a full default recipe (YAML)
     megatron-rl generate --ckpt DIR --prompt TEXT [...]         sample from a checkpoint
     megatron-rl plot RUN_DIR                                     reward/length/accuracy PNGs
     megatron-rl convert SRC DST --to megatron|hf [--tp N] [--pp N] [--ep N]
     megatron-rl check-parity --hf DIR [--tp N] [--pp N] [--ep N] [--dtype fp32|bf16]
 
-Recipes map 1:1 onto the dataclasses of `megatron_rl.config`; overrides use dotted paths
-(`algorithm.clip_ratio_high=0.28`, `data.train_files=[a.parquet]`). Unknown keys are rejected
-with the nearest valid name. Subcommand modules are imported lazily, so `--help` loads no torch.
+Recipes map 1:1 onto the dataclasses of `megatron_rl.config` (`megatron_rl.recipe` loads them);
+overrides use dotted paths (`algorithm.clip_ratio_high=0.28`, `data.train_files=[a.parquet]`).
+Unknown keys are rejected with the nearest valid name. `megatron-rl <cmd> --help` lists every
+config section and field with its default and docstring. Subcommand modules are imported lazily,
+so `--help` loads no torch.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from __future__ import annotations
 import difflib
 import importlib
 import sys
+
+from megatron_rl.recipe import load_config  # noqa: F401  (the public entry for tests and tools)
 
 # name -> "module:function"; each function takes argv (list[str]) and returns an exit code.
 SUBCOMMANDS = {
@@ -28,109 +33,22 @@ SUBCOMMANDS = {
     "plot": "megatron_rl.plot:main",
     "convert": "megatron_rl.convert:main",
     "check-parity": "megatron_rl.parity:main",
+    "plan": "megatron_rl.plan:main",
+    "config": "megatron_rl.cli:print_default_recipe",
 }
 
 
-def _flatten_keys(d: dict, prefix: str = "") -> list[str]:
-    out = []
-    for k, v in d.items():
-        key = f"{prefix}{k}"
-        out.append(key)
-        if isinstance(v, dict):
-            out += _flatten_keys(v, key + ".")
-    return out
+def print_default_recipe(argv: list[str]) -> int:
+    """`megatron-rl config [train|sft]`: every field of the command's config at its default."""
+    from megatron_rl.config import RLConfig, SFTConfig
+    from megatron_rl.recipe import default_recipe
 
-
-def _valid_keys(schema_cls) -> tuple[set[str], set[str]]:
-    """(all dotted field paths of a config dataclass, paths whose value is a free-form dict)."""
-    import dataclasses
-    import typing
-
-    keys, free = set(), set()
-
-    def walk(cls, prefix):
-        hints = typing.get_type_hints(cls)
-        for f in dataclasses.fields(cls):
-            path = prefix + f.name
-            keys.add(path)
-            t = hints[f.name]
-            if dataclasses.is_dataclass(t):
-                walk(t, path + ".")
-            elif t is dict or typing.get_origin(t) is dict:
-                free.add(path)
-
-    walk(schema_cls, "")
-    return keys, free
-
-
-def check_keys(schema_cls, keys: list[str], source: str) -> None:
-    """Raise ValueError naming the first unknown key and the nearest valid one."""
-    valid, free = _valid_keys(schema_cls)
-    for key in keys:
-        if key in valid or any(key.startswith(f + ".") for f in free):
-            continue
-        near = difflib.get_close_matches(key, sorted(valid), n=1, cutoff=0.0)
-        hint = f"; did you mean `{near[0]}`?" if near else ""
-        raise ValueError(f"unknown config key `{key}` in {source}{hint}")
-
-
-def load_config(schema_cls, recipe: str | None, overrides: list[str]):
-    """Build a config dataclass from an optional YAML recipe plus dotted `key=value` overrides."""
-    from omegaconf import OmegaConf
-
-    base = OmegaConf.structured(schema_cls)
-    layers = []
-    if recipe:
-        try:
-            raw = OmegaConf.load(recipe)
-        except FileNotFoundError as e:
-            raise ValueError(f"recipe file not found: {recipe}") from e
-        check_keys(schema_cls, _flatten_keys(OmegaConf.to_container(raw)), f"recipe {recipe}")
-        layers.append(raw)
-    for item in overrides:
-        if "=" not in item:
-            raise ValueError(f"override `{item}` is not of the form key=value")
-    if overrides:
-        dot = OmegaConf.from_dotlist(overrides)
-        check_keys(
-            schema_cls, [o.split("=", 1)[0] for o in overrides], "the command-line overrides"
-        )
-        layers.append(dot)
-    merged = OmegaConf.merge(base, *layers)
-    return OmegaConf.to_object(merged)
-
-
-def split_config_args(argv: list[str]) -> tuple[str | None, list[str], list[str]]:
-    """argv -> (recipe path, dotted overrides, remaining flags)."""
-    recipe, overrides, rest = None, [], []
-    it = iter(argv)
-    for a in it:
-        if a == "--config":
-            recipe = next(it, None)
-            if recipe is None:
-                raise ValueError("--config needs a recipe path")
-        elif a.startswith("--config="):
-            recipe = a.split("=", 1)[1]
-        elif "=" in a and not a.startswith("-"):
-            overrides.append(a)
-        else:
-            rest.append(a)
-    return recipe, overrides, rest
-
-
-def save_resolved(cfg, out_dir: str, name: str = "config.yaml") -> str:
-    """Write the resolved config next to the run's outputs; returns the path."""
-    import os
-
-    import yaml
-
-    from megatron_rl.config import to_dict
-
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, name)
-    with open(path, "w") as f:
-        yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
-    return path
+    schemas = {"train": RLConfig, "eval": RLConfig, "sft": SFTConfig}
+    which = argv[0] if argv else "train"
+    if which not in schemas or len(argv) > 1:
+        raise ValueError(f"usage: megatron-rl config [train|sft|eval], got {argv}")
+    print(default_recipe(schemas[which]), end="")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

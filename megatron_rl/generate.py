@@ -1,7 +1,9 @@
 """`megatron-rl generate --ckpt DIR --prompt TEXT [--n N] [--temperature T] [--max-new-tokens M]`.
 
-Samples from an HF-layout checkpoint with the built-in engine (single process or torchrun for
-tensor parallelism) and prints one JSON line per sample: {"prompt", "response", "finish_reason"}.
+Samples from an HF-layout checkpoint with the built-in engine of its model kind, through the
+engine registry (the autoregressive engine, or a diffusion family's sampler with its defaults);
+single process or torchrun for tensor parallelism. Prints one JSON line per sample:
+{"prompt", "response", "finish_reason"}.
 """
 
 from __future__ import annotations
@@ -10,10 +12,11 @@ import argparse
 import json
 
 from megatron_rl.actor.loading import build_module, resolve_model
-from megatron_rl.config import ModelConfig, ParallelConfig
+from megatron_rl.config import ModelConfig, ParallelConfig, RLConfig
+from megatron_rl.models.dllm import model_kind
 from megatron_rl.parallel import destroy_parallel, init_parallel
+from megatron_rl.rollout import EngineContext, build_engine, check_engine
 from megatron_rl.rollout.engine import SamplingParams
-from megatron_rl.rollout.local import LocalEngine
 from megatron_rl.tokenizer import render_prompt
 
 
@@ -28,11 +31,14 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    cfg = RLConfig(model=ModelConfig(path=args.ckpt))
+    src = resolve_model(cfg.model)
+    engine_name = check_engine(cfg.rollout, model_kind(src.hf_config))
     ps = init_parallel(ParallelConfig(tensor_model_parallel_size=args.tp))
-    src = resolve_model(ModelConfig(path=args.ckpt))
-    module, _ = build_module(src, ps, ModelConfig(path=args.ckpt))
+    module, _ = build_module(src, ps, cfg.model)
     tok = src.tokenizer
-    engine = LocalEngine(module, ps, pad_id=tok.pad_token_id or 0, tokenizer=tok)
+    engine = build_engine(engine_name, EngineContext(cfg=cfg, module=module, ps=ps, tokenizer=tok,
+                                                     src=src, seed=args.seed))
     sp = SamplingParams(temperature=args.temperature, top_p=args.top_p,
                         max_new_tokens=args.max_new_tokens, stop_token_ids=[tok.eos_token_id],
                         seed=args.seed)
@@ -42,5 +48,6 @@ def main(argv: list[str]) -> int:
             print(json.dumps({"prompt": args.prompt[i // args.n],
                               "response": tok.decode(s.response_ids, skip_special_tokens=True),
                               "finish_reason": s.finish_reason}))
+    engine.close()
     destroy_parallel()
     return 0

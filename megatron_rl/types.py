@@ -225,6 +225,15 @@ class TrainBatch:
         size = len(self) // num_mini_batches
         return [self.select(list(range(k * size, (k + 1) * size))) for k in range(num_mini_batches)]
 
+    def mini_batches(self, n: int) -> list[TrainBatch]:
+        """n contiguous mini-batches; when dynamic sampling left a count n does not divide, they
+        are ceil(len / n) samples each and the last is smaller (possibly fewer than n)."""
+        if len(self) % n == 0:
+            return self.split(n)
+        size = -(-len(self) // n)
+        return [self.select(list(range(s, min(s + size, len(self)))))
+                for s in range(0, len(self), size)]
+
     def padded(self) -> dict[str, torch.Tensor]:
         """Per-token fields right-padded to [B, T_max] (T_max = longest response); padding has
         mask False. Keys: response_ids_BT, mask_BT, advantages_BT and, when present,

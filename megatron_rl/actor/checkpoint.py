@@ -133,3 +133,52 @@ def export_hf(
     model = build_model(hf_config, ps, dtype=dtype or hf_dtype(hf_config))
     load_checkpoint(model, ckpt_dir)
     save_hf_weights(model, ps, hf_config, out_dir, src_dir=ckpt_dir, progress=progress)
+
+
+# -- the RL run's state ----------------------------------------------------------------------
+def checkpoint_root(output_dir: str) -> str:
+    return os.path.join(output_dir, "checkpoints")
+
+
+def save_run_state(output_dir: str, step: int, policy, src, ps: ParallelState,
+                   components: dict) -> str:
+    """Model + optimizer shards and the loop's state at `step`: `components` maps a name to an
+    object with `state_dict()` (data cursor, LR schedule, the engine's sampling RNG, the rollout
+    collector's DARTS statistics, ...). Written to `step_N.tmp` and renamed, so an interrupted
+    save never replaces the previous checkpoint. Collective. Returns the checkpoint folder."""
+    final = os.path.join(checkpoint_root(output_dir), f"step_{step:06d}")
+    tmp = final + ".tmp"
+    extra = {"step": step, **{name: c.state_dict() for name, c in components.items()}}
+    save_checkpoint(policy.module, tmp, hf_config=src.hf_config, src_dir=src.weights_dir,
+                    optimizer=policy.optimizer, extra=extra)
+    if ps.rank == 0:
+        src.tokenizer.save_pretrained(tmp)
+        os.replace(tmp, final)
+    if dist.is_initialized():
+        dist.barrier()
+    return final
+
+
+def latest_checkpoint(output_dir: str) -> str | None:
+    """The newest complete `step_N` folder of a run (None when there is none)."""
+    root = checkpoint_root(output_dir)
+    if not os.path.isdir(root):
+        return None
+    done = sorted(d for d in os.listdir(root) if d.startswith("step_") and not d.endswith(".tmp"))
+    return os.path.join(root, done[-1]) if done else None
+
+
+def resume_run_state(output_dir: str, policy, components: dict) -> int:
+    """Load the newest complete checkpoint of the run into the policy (model + optimizer) and
+    the components saved with it (`components[name].load_state_dict`); returns its step, 0
+    when the run has none."""
+    ckpt = latest_checkpoint(output_dir)
+    if ckpt is None:
+        return 0
+    extra = load_checkpoint(policy.module, ckpt, optimizer=policy.optimizer)
+    for name, c in components.items():
+        if name not in extra:
+            raise ValueError(f"checkpoint `{ckpt}`: extra.json has no `{name}` state; it was "
+                             f"written by a run with a different setup")
+        c.load_state_dict(extra[name])
+    return int(extra["step"])

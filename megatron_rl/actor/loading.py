@@ -62,13 +62,25 @@ def resolve_dtype(name: str) -> torch.dtype:
 
 
 def build_module(src: ModelSource, ps: ParallelState, cfg: ModelConfig):
-    """Build this rank's GPTModel (and its TransformerConfig) and load the weights if any."""
+    """Build this rank's GPTModel (and its TransformerConfig) and load the weights if any.
+
+    The family decides the attention: causal for autoregressive models; bidirectional
+    (`no_mask`) for diffusion LMs, with flex attention for the packed training forward and SDPA
+    for sampling under `attention_backend=auto` ("flex_sdpa")."""
     from megatron_rl.models.builder import build_model
+    from megatron_rl.models.dllm import model_kind
     from megatron_rl.models.weights import load_hf_weights
 
+    kwargs = {}
+    backend = cfg.attention_backend
+    if model_kind(src.hf_config) == "diffusion":
+        from megatron.core.transformer.enums import AttnMaskType
+
+        kwargs["attn_mask_type"] = AttnMaskType.no_mask
+        backend = "flex_sdpa" if backend == "auto" else backend
     model = build_model(
         src.hf_config, ps, dtype=resolve_dtype(cfg.dtype),
-        attention_backend=cfg.attention_backend, recompute=cfg.recompute,
+        attention_backend=backend, recompute=cfg.recompute, **kwargs,
     )
     if src.weights_dir is not None:
         load_hf_weights(model, src.weights_dir, ps, src.hf_config)

@@ -10,7 +10,11 @@ It owns two operations on ragged batches of sequences (prompt + response token i
   mini-batch (e.g. the number of response tokens over all micro-batches and DP ranks), so the
   result does not depend on how the mini-batch was split.
 
-Micro-batches are right-padded: with causal attention a valid token never attends to the
+* `train_step(batch, make_loss, ...)` - the mini-batch x epoch loop of one RL step over a
+  `TrainBatch`, with the global (all micro-batches, all DP ranks) normalizers of each mini-batch.
+
+Micro-batches come from the one planner (`actor/microbatch.py`, the csrc length-bucketed
+planner) and are right-padded: with causal attention a valid token never attends to the
 padding after it, so no mask is needed and the result equals the unpadded forward. Both
 operations run through Megatron's `get_forward_backward_func`, so pipeline parallelism works
 unchanged (log-probs then exist on the last pipeline stage only).
@@ -29,32 +33,12 @@ from dataclasses import dataclass
 import torch
 
 from megatron_rl.actor.logprobs import vocab_parallel_logprobs
+from megatron_rl.actor.microbatch import plan_micro_batches
 from megatron_rl.config import OptimizerConfig
 from megatron_rl.parallel import ParallelState
 
 # loss_fn(sample_indices, logprobs per sample, entropy per sample) -> (loss, metrics)
 LossFn = Callable[[list[int], list[torch.Tensor], list[torch.Tensor]], tuple[torch.Tensor, dict]]
-
-
-def plan_micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
-    """Group sample indices into right-padded micro-batches of at most `max_tokens` padded tokens.
-
-    Sorting by length keeps similar lengths together so padding stays small. A sample longer
-    than the budget gets a micro-batch of its own (the budget is a target, not a hard cap, here;
-    the packed path in `megatron_rl.ops.plan_microbatches` enforces it strictly).
-    """
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    batches, cur, cur_max = [], [], 0
-    for i in order:
-        new_max = max(cur_max, lengths[i])
-        if cur and new_max * (len(cur) + 1) > max_tokens:
-            batches.append(cur)
-            cur, new_max = [], lengths[i]
-        cur.append(i)
-        cur_max = new_max
-    if cur:
-        batches.append(cur)
-    return batches
 
 
 @dataclass
@@ -195,6 +179,36 @@ class Policy:
         metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
         metrics["update_skipped"] = float(not update_ok)
         return metrics
+
+    def train_step(self, batch, make_loss: Callable, *, mini_batches: int, epochs: int,
+                   temperature: float) -> dict:
+        """`epochs` passes of `mini_batches` optimizer steps over one rollout's TrainBatch.
+        make_loss(mini_batch, global_num_tokens, global_num_seqs) -> LossFn. Returns the metrics
+        averaged over the optimizer steps taken."""
+        totals: dict[str, float] = {}
+        steps = 0
+        for _ in range(epochs):
+            for mb in batch.mini_batches(mini_batches):
+                n_tok = self.dp_sum(float(mb.num_loss_tokens()))
+                n_seq = self.dp_sum(float(len(mb)))
+                m = self.train_mini_batch(
+                    [mb.input_ids(i) for i in range(len(mb))], [len(p) for p in mb.prompt_ids],
+                    make_loss(mb, n_tok, n_seq), temperature=temperature, with_entropy=True,
+                )
+                for k, v in m.items():
+                    totals[k] = totals.get(k, 0.0) + v
+                steps += 1
+        return {k: v / steps for k, v in totals.items()}
+
+    def dp_sum(self, x: float) -> float:
+        """Sum of a host number over the data-parallel ranks (on the group's device)."""
+        if self.ps.dp_size == 1:
+            return x
+        import torch.distributed as dist
+
+        t = torch.tensor([x], dtype=torch.float64, device=self.ps.device)
+        dist.all_reduce(t, group=self.ps.pgs.dp)
+        return float(t)
 
 
 def enable_fused_adam(optimizer) -> int:

@@ -1,86 +1,85 @@
-"""ALGORITHMS: name -> (advantage fn, loss fn, default hyperparameters).
+"""ALGORITHMS: `algorithm.name` -> Algorithm(kind, advantage estimator, loss, defaults).
 
-The defaults are dotted config overrides (`section.field: value`) that a recipe applies before
-the user's own overrides, so `algorithm: dapo` plus `algorithm.clip_ratio_high=0.3` works.
+The loop asks the registry for everything algorithm-specific: `get_algorithm(cfg.algorithm)`
+gives the estimator (`advantages(rewards_N, group_ids_N) -> advantages_N`), the loss callback
+factory and the model kind it trains. `defaults` are dotted config values that the recipe loader
+places under the recipe and the command-line overrides (`megatron_rl.recipe`), so
+`algorithm.name=dapo algorithm.clip_ratio_high=0.3` works and the resolved config shows them.
 
 - grpo:   group mean/std baseline, symmetric clip 0.2, dual clip 3, token-mean (verl defaults).
-- drgrpo: mean-only baseline and seq-mean-token-sum-norm (Liu et al. 2025).
+- drgrpo: grpo's estimator without the std, seq-mean-token-sum-norm (Liu et al. 2025).
 - rloo:   leave-one-out baseline (Ahmadian et al. 2024).
-- dapo:   GRPO + clip-higher 0.28 + token-mean + dynamic sampling + reward +1/-1 (Yu et al. 2025;
-          the overlong buffer depends on the response length and is left to the recipe).
+- dapo:   grpo + clip-higher 0.28 + dual clip 10 + token-mean + dynamic sampling + reward +1/-1
+          (Yu et al. 2025; the overlong buffer depends on the response length: left to the recipe).
+Diffusion-LM algorithms register here with kind="diffusion".
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Literal
 
-from megatron_rl.algo.advantages import (
-    AdvantageFn,
-    drgrpo_advantages,
-    grpo_advantages,
-    rloo_advantages,
-)
-from megatron_rl.algo.losses import policy_loss
+import torch
+
+from megatron_rl.algo.advantages import grpo_advantages, rloo_advantages
+from megatron_rl.algo.losses import make_loss_fn
 
 
-class Algorithm(NamedTuple):
-    advantage_fn: AdvantageFn
-    """fn(rewards_N, group_ids_N) -> advantages_N."""
-    loss_fn: Callable
-    """`losses.policy_loss`-compatible: fn(PolicyLossInput, **hyperparameters)."""
-    defaults: dict[str, object]
-    """Dotted config overrides this algorithm implies."""
+@dataclass(frozen=True, kw_only=True)
+class Algorithm:
+    kind: Literal["autoregressive", "diffusion"]
+    """The model kind it trains (the model family must match)."""
+    estimator: Callable[..., torch.Tensor]
+    """fn(rewards_N, group_ids_N, **options) -> advantages_N."""
+    uses_std: bool
+    """The estimator takes `norm_by_std` (algorithm.norm_adv_by_std)."""
+    loss: Callable = make_loss_fn
+    """Loss callback factory: fn(batch, global_tokens, global_seqs, *, cfg, norm_len)."""
+    defaults: dict[str, object] = field(default_factory=dict)
+    """Dotted config values this algorithm implies (under the recipe and overrides)."""
+
+    def advantages(self, cfg, rewards_N: torch.Tensor, group_ids_N: torch.Tensor) -> torch.Tensor:
+        """Advantages under `AlgorithmConfig` cfg (norm_adv_by_std None: True)."""
+        if self.uses_std:
+            return self.estimator(rewards_N, group_ids_N, norm_by_std=cfg.norm_adv_by_std is not False)
+        return self.estimator(rewards_N, group_ids_N)
 
 
 ALGORITHMS: dict[str, Algorithm] = {
-    "grpo": Algorithm(
-        grpo_advantages,
-        policy_loss,
-        {
-            "algorithm.adv_estimator": "grpo",
-            "algorithm.norm_adv_by_std": True,
-            "algorithm.clip_ratio_low": 0.2,
-            "algorithm.clip_ratio_high": 0.2,
-            "algorithm.clip_ratio_c": 3.0,
-            "algorithm.loss_agg_mode": "token-mean",
-        },
-    ),
+    "grpo": Algorithm(kind="autoregressive", estimator=grpo_advantages, uses_std=True),
     "drgrpo": Algorithm(
-        drgrpo_advantages,
-        policy_loss,
-        {
-            "algorithm.adv_estimator": "drgrpo",
-            "algorithm.norm_adv_by_std": False,
-            "algorithm.clip_ratio_low": 0.2,
-            "algorithm.clip_ratio_high": 0.2,
-            "algorithm.loss_agg_mode": "seq-mean-token-sum-norm",
-        },
+        kind="autoregressive", estimator=partial(grpo_advantages, norm_by_std=False),
+        uses_std=False,
+        defaults={"algorithm.norm_adv_by_std": False,
+                  "algorithm.loss_agg_mode": "seq-mean-token-sum-norm"},
     ),
-    "rloo": Algorithm(
-        rloo_advantages,
-        policy_loss,
-        {
-            "algorithm.adv_estimator": "rloo",
-            "algorithm.clip_ratio_low": 0.2,
-            "algorithm.clip_ratio_high": 0.2,
-            "algorithm.loss_agg_mode": "token-mean",
-        },
-    ),
+    "rloo": Algorithm(kind="autoregressive", estimator=rloo_advantages, uses_std=False),
     "dapo": Algorithm(
-        grpo_advantages,
-        policy_loss,
-        {
-            "algorithm.adv_estimator": "grpo",
-            "algorithm.norm_adv_by_std": True,
-            "algorithm.clip_ratio_low": 0.2,
+        kind="autoregressive", estimator=grpo_advantages, uses_std=True,
+        defaults={
             "algorithm.clip_ratio_high": 0.28,
             "algorithm.clip_ratio_c": 10.0,
-            "algorithm.loss_agg_mode": "token-mean",
-            "algorithm.kl_coef": 0.0,
             "algorithm.dynamic_sampling": True,
-            "reward.correct_reward": 1.0,
             "reward.incorrect_reward": -1.0,
         },
     ),
 }
+
+
+def get_algorithm(name: str) -> Algorithm:
+    if name not in ALGORITHMS:
+        raise ValueError(f"config field `algorithm.name`: unknown {name!r}; known: "
+                         f"{sorted(ALGORITHMS)}")
+    return ALGORITHMS[name]
+
+
+def algorithm_defaults(layers: list) -> dict:
+    """The recipe loader's hook: the defaults of the algorithm the layers name (last wins)."""
+    name = "grpo"
+    for layer in layers:
+        value = layer.get("algorithm", {}).get("name") if hasattr(layer, "get") else None
+        if value is not None:
+            name = str(value)
+    return dict(get_algorithm(name).defaults)

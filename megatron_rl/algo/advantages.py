@@ -3,8 +3,10 @@
 Every estimator takes `rewards_N` (float, one reward per sample) and `group_ids_N` (int64 in
 [0, num_groups), the prompt each sample answers; `types.group_index` builds it) and returns
 `advantages_N`, one scalar per sample that the actor broadcasts to the sample's response tokens
-(outcome reward, docs/algorithms.md notation). Groups may have different sizes. Two rules hold for
-every estimator, by construction rather than by floating-point luck:
+(outcome reward, docs/algorithms.md notation). One spelling per estimator: Dr.GRPO's
+mean-only baseline is `grpo_advantages(..., norm_by_std=False)`; the registry in
+`megatron_rl.algo` picks the estimator from `algorithm.name`. Groups may have different sizes.
+Two rules hold for every estimator, by construction rather than by floating-point luck:
 - a group of one sample gets advantage 0 (no baseline can be formed);
 - a group whose rewards are all equal gets advantage 0 (no signal; DAPO filters such groups).
 """
@@ -62,12 +64,6 @@ def grpo_advantages(
     return torch.where(has_signal_N, centered_N, 0.0).to(rewards_N.dtype)
 
 
-def drgrpo_advantages(rewards_N: torch.Tensor, group_ids_N: torch.Tensor) -> torch.Tensor:
-    """Dr.GRPO (Liu et al. 2025, "Understanding R1-Zero-like training"): mean-only baseline,
-    A_i = r_i - mean_g r (no std division)."""
-    return grpo_advantages(rewards_N, group_ids_N, norm_by_std=False)
-
-
 def rloo_advantages(rewards_N: torch.Tensor, group_ids_N: torch.Tensor) -> torch.Tensor:
     """RLOO (Ahmadian et al. 2024): leave-one-out baseline,
 
@@ -76,23 +72,3 @@ def rloo_advantages(rewards_N: torch.Tensor, group_ids_N: torch.Tensor) -> torch
     r, count_N, mean_N, has_signal_N = _group_stats(rewards_N, group_ids_N)
     loo_N = (mean_N * count_N - r) / (count_N - 1).clamp(min=1)
     return torch.where(has_signal_N, r - loo_N, 0.0).to(rewards_N.dtype)
-
-
-ADVANTAGES: dict[str, AdvantageFn] = {
-    "grpo": grpo_advantages,
-    "drgrpo": drgrpo_advantages,
-    "rloo": rloo_advantages,
-}
-"""name (`algorithm.adv_estimator`) -> fn(rewards_N, group_ids_N) -> advantages_N."""
-
-
-def compute_advantages(
-    name: str, rewards_N: torch.Tensor, group_ids_N: torch.Tensor, *, norm_by_std: bool = True
-) -> torch.Tensor:
-    """Dispatch on `algorithm.adv_estimator`; `norm_by_std` (algorithm.norm_adv_by_std) applies
-    to grpo only (grpo without it is drgrpo)."""
-    if name not in ADVANTAGES:
-        raise ValueError(f"algorithm.adv_estimator: unknown {name!r}; known: {sorted(ADVANTAGES)}")
-    if name == "grpo":
-        return grpo_advantages(rewards_N, group_ids_N, norm_by_std=norm_by_std)
-    return ADVANTAGES[name](rewards_N, group_ids_N)

@@ -11,6 +11,8 @@
 - `entropy_from_logits`: per-token entropy, chunked over tokens so a 150k vocabulary does not
   materialize a second full-size fp32 copy of the logits.
 - `policy_loss`: all of the above from a `PolicyLossInput`, returning a `PolicyLossOutput`.
+- `make_loss_fn`: the actor's loss callback for one mini-batch of a `TrainBatch` (pads the
+  micro-batch's samples and calls `policy_loss` with the mini-batch's global normalizers).
 
 Shapes are in the names: B sequences, T padded response length, V vocabulary.
 """
@@ -239,3 +241,35 @@ def policy_loss(
     return PolicyLossOutput(
         loss=loss, pg_loss=pg_loss, kl_loss=kl_loss, entropy=entropy, metrics=metrics
     )
+
+
+def make_loss_fn(batch, global_tokens: float, global_seqs: float, *, cfg, norm_len: int):
+    """The actor's loss callback for one mini-batch (`types.TrainBatch`) under the
+    `AlgorithmConfig` cfg: `fn(indices, logprobs, entropy) -> (loss, metrics)` over the samples
+    of one micro-batch. Metric parts are weighted by the micro-batch's token share so that the
+    actor's sum over micro-batches is the mini-batch's token mean."""
+
+    def loss_fn(indices, logprobs, entropy):
+        pad = batch.select(indices).padded()
+        device = logprobs[0].device
+        out = policy_loss(
+            PolicyLossInput(
+                logprobs_BT=torch.nn.utils.rnn.pad_sequence(logprobs, batch_first=True),
+                old_logprobs_BT=pad["old_logprobs_BT"].to(device),
+                advantages_BT=pad["advantages_BT"].to(device),
+                mask_BT=pad["mask_BT"].to(device),
+                ref_logprobs_BT=pad.get("ref_logprobs_BT"),
+                entropy_BT=torch.nn.utils.rnn.pad_sequence(entropy, batch_first=True)
+                if entropy[0] is not None else None,
+            ),
+            clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high,
+            clip_ratio_c=cfg.clip_ratio_c, loss_agg_mode=cfg.loss_agg_mode, kl_coef=cfg.kl_coef,
+            kl_estimator=cfg.kl_estimator, entropy_coef=cfg.entropy_coef,
+            global_num_tokens=global_tokens, global_num_seqs=global_seqs, norm_len=norm_len,
+        )
+        share = float(out.metrics["num_tokens"]) / global_tokens  # token-weighted metric parts
+        metrics = {f"actor/{k}": v * share for k, v in out.metrics.items() if k != "num_tokens"}
+        metrics["actor/pg_loss"] = out.pg_loss.detach()
+        return out.loss, metrics
+
+    return loss_fn

@@ -56,6 +56,11 @@ def diffusion_spec(hf: dict) -> DiffusionSpec | None:
     return DIFFUSION_SPECS.get(archs[0]) if archs else None
 
 
+def model_kind(hf: dict) -> str:
+    """"diffusion" for a diffusion family, else "autoregressive" (decides the objective)."""
+    return "autoregressive" if diffusion_spec(hf) is None else "diffusion"
+
+
 def _spec(hf: dict) -> DiffusionSpec:
     spec = diffusion_spec(hf)
     if spec is None:

@@ -99,7 +99,7 @@ class LengthStats:
 
     def __init__(self, alpha: float = 0.3):
         if not 0 < alpha <= 1:
-            raise ValueError(f"config field `rollout.darts_length_ema`: must be in (0, 1], got {alpha}")
+            raise ValueError(f"config field `rollout.darts.length_ema`: must be in (0, 1], got {alpha}")
         self.alpha = alpha
         self.ema: dict[str, float] = {}
 

@@ -207,6 +207,22 @@ class DiffusionEngine:
     def wake(self) -> None:
         pass
 
+    def push_weights(self, module, version: int) -> None:
+        """The actor's weights are this engine's weights: only the version moves."""
+        if module is not self.module:
+            raise ValueError("DiffusionEngine generates on the actor's own module; got another one")
+        self.policy_version = version
+
+    def state_dict(self) -> dict:
+        """The sampling RNG (saved with checkpoints, so a resumed run draws the same samples)."""
+        return {"rng": self.generator.get_state().tolist()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.generator.set_state(torch.tensor(state["rng"], dtype=torch.uint8))
+
+    def close(self) -> None:
+        pass
+
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams) -> list[Sample]:
         if sampling.seed is not None:
@@ -465,3 +481,16 @@ class DiffusionEngine:
         if self.tokenizer is None:
             raise ValueError("SamplingParams.stop strings need the engine's tokenizer")
         return any(s in self.tokenizer.decode(response) for s in stops)
+
+
+def build(ctx) -> DiffusionEngine:
+    """The `diffusion` entry of rollout.ENGINES: the family's sampler (models/dllm.py) with the
+    `rollout.diffusion` fields that were set."""
+    from megatron_rl.models.dllm import diffusion_spec, mask_token_id
+
+    hf, tok = ctx.src.hf_config, ctx.tokenizer
+    sampling = DiffusionSampling.for_model(hf, **ctx.cfg.rollout.diffusion.overrides())
+    return DiffusionEngine(ctx.module, ctx.ps, mask_id=mask_token_id(hf), sampling=sampling,
+                           shift_logits=diffusion_spec(hf).shift_logits, pad_id=tok.pad_token_id,
+                           tokenizer=tok, max_batch_size=ctx.cfg.rollout.max_batch_size,
+                           seed=ctx.seed)

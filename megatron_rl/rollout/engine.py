@@ -1,13 +1,16 @@
 """The rollout-engine protocol and the sampling parameters every engine accepts.
 
-Implementations: `rollout/local.py` (built-in, on the actor's own weights) and the SGLang / vLLM
-clients. This module owns the interface only; it has no implementation.
+Implementations (registered in `megatron_rl/rollout/__init__.py`): `rollout/local.py` (built-in
+autoregressive engine on the actor's own weights), `rollout/diffusion.py` (built-in diffusion
+samplers) and the external SGLang / vLLM clients. This module owns the interface only.
 
-Usage (what the train loop does each step):
+Usage (what the train loop does each step, through `rollout/collect.py`):
 
     sampling = SamplingParams.from_config(cfg.rollout, eos_token_id=tok.eos_token_id)
     samples = engine.generate([p.prompt_ids for p in prompts], cfg.rollout.n, sampling)
     groups = make_groups(prompts, samples, cfg.rollout.n)
+    ...  # train
+    engine.push_weights(policy.module, version=step)
 """
 
 from __future__ import annotations
@@ -17,8 +20,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
-    import torch
-
     from megatron_rl.config import RolloutConfig
     from megatron_rl.types import Sample
 
@@ -72,7 +73,11 @@ class SamplingParams:
 
 @runtime_checkable
 class RolloutEngine(Protocol):
-    """What the RL loop needs from a generator."""
+    """What the RL loop, the evaluation and `generate` need from a generator. Built by
+    `megatron_rl.rollout.build_engine` from `rollout.engine` (the ENGINES registry)."""
+
+    policy_version: int
+    """Version of the weights it generates with (stamped on every Sample)."""
 
     def generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams) -> list[Sample]:
         """Generate n samples per prompt. Returns len(prompts) * n samples grouped in prompt
@@ -93,14 +98,34 @@ class RolloutEngine(Protocol):
         """Re-acquire what `sleep` released, before the next `generate`."""
         ...
 
+    def push_weights(self, module, version: int) -> None:
+        """The weight-transport seam: make the actor's current weights (this rank's Megatron
+        module) the ones the engine generates with, and stamp later samples with `version`.
+        A no-op copy for engines that share the actor's weights (the built-in ones)."""
+        ...
+
+    def close(self) -> None:
+        """Release everything the engine owns (servers it launched, caches)."""
+        ...
+
+    def state_dict(self) -> dict:
+        """Sampling state saved with checkpoints (this rank's RNG); {} when there is none."""
+        ...
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what `state_dict` returned."""
+        ...
+
 
 @runtime_checkable
-class WeightUpdatableEngine(RolloutEngine, Protocol):
-    """An engine holding its own copy of the weights (SGLang, vLLM). The local engine shares
-    the actor's weights and does not implement this."""
+class GroupedEngine(RolloutEngine, Protocol):
+    """An engine that can run DARTS' redundant pools (docs/algorithms.md B.3-B.5)."""
 
-    def update_weights(
-        self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, policy_version: int
-    ) -> None:
-        """Load the given (HF-named) tensors; later samples carry `policy_version`."""
+    def generate_groups(
+        self, prompts: list[list[int]], counters: list, sampling: SamplingParams
+    ) -> tuple[list[list[Sample]], dict[str, float]]:
+        """counters[k].m requests for prompts[k], kept or rejected by the prompt's
+        `rollout.darts.DualEndCounter` in finishing order; the rest of a prompt aborted once its
+        counter says so. Returns (the kept samples of each prompt, counts: generated, rejected,
+        pruned, generated_tokens)."""
         ...

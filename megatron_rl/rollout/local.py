@@ -120,6 +120,22 @@ class LocalEngine:
     def wake(self) -> None:  # the cache is re-allocated by the next `generate`
         pass
 
+    def push_weights(self, module, version: int) -> None:
+        """The actor's weights are this engine's weights: only the version moves."""
+        if module is not self.module:
+            raise ValueError("LocalEngine generates on the actor's own module; got another one")
+        self.policy_version = version
+
+    def state_dict(self) -> dict:
+        """The sampling RNG (saved with checkpoints, so a resumed run draws the same samples)."""
+        return {"rng": self.generator.get_state().tolist()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.generator.set_state(torch.tensor(state["rng"], dtype=torch.uint8))
+
+    def close(self) -> None:
+        self.sleep()
+
     def generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams) -> list[Sample]:
         return self._run([p for p in prompts for _ in range(n)], sampling)
 
@@ -267,11 +283,11 @@ class LocalEngine:
         return min(self.max_batch_size, 1 << (n_requests - 1).bit_length())
 
     def generate_groups(self, prompts: list[list[int]], counters: list, sampling: SamplingParams
-                        ) -> list[list[Sample]]:
-        """DARTS generation (docs/algorithms.md B.3/B.5, `rollout.darts`): counters[k].m requests for
-        prompts[k], kept or rejected by the prompt's `DualEndCounter` in finishing order, the
+                        ) -> tuple[list[list[Sample]], dict[str, float]]:
+        """DARTS generation (docs/algorithms.md B.3/B.5, `rollout.darts`): counters[k].m requests
+        for prompts[k], kept or rejected by the prompt's `DualEndCounter` in finishing order, the
         rest of a prompt aborted once its counter says `prune`. Returns the kept samples of each
-        prompt (request order); `self.last_darts` counts generated, rejected and pruned ones."""
+        prompt (request order) and the counts of generated, rejected and pruned ones."""
         if self._lean is None:
             raise ValueError("DARTS generation needs the lean decoder (LocalEngine decoder=auto)")
         if len(counters) != len(prompts):
@@ -293,8 +309,7 @@ class LocalEngine:
                 stats["pruned"] += 1
             else:
                 stats["rejected"] += 1
-        self.last_darts = stats
-        return out
+        return out, stats
 
     def _generate_continuous(self, requests: list[list[int]], sp: SamplingParams,
                              group: list[int] | None = None, counters: list | None = None
@@ -434,3 +449,10 @@ class LocalEngine:
             after_sample(act, tokens, act)  # decode rows are slots
             prune()
         return results
+
+
+def build(ctx) -> LocalEngine:
+    """The `local` entry of rollout.ENGINES."""
+    tok = ctx.tokenizer
+    return LocalEngine(ctx.module, ctx.ps, pad_id=tok.pad_token_id or 0, tokenizer=tok,
+                       max_batch_size=ctx.cfg.rollout.max_batch_size, seed=ctx.seed)

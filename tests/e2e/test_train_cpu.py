@@ -78,11 +78,11 @@ def test_train_under_torchrun_dp2(tmp_path):
 
 
 def test_train_with_darts_rollout_shaping(tmp_path):
-    """`rollout.darts=true`: each step draws a redundant pool (1.5 x n per prompt on average),
+    """`rollout.darts.enabled=true`: each step draws a redundant pool (1.5 x n per prompt on average),
     trains on n per prompt, logs the pool counts, and a checkpoint carries the length stats."""
     out_dir = tmp_path / "darts"
-    r = train(BASE + ["trainer.total_steps=2", "trainer.save_interval=2", "rollout.darts=true",
-                      "rollout.darts_redundancy=1.5", f"trainer.output_dir={out_dir}"], tmp_path)
+    r = train(BASE + ["trainer.total_steps=2", "trainer.save_interval=2", "rollout.darts.enabled=true",
+                      "rollout.darts.redundancy=1.5", f"trainer.output_dir={out_dir}"], tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     steps = [x for x in rows(out_dir) if "reward/mean" in x]
     assert [x["step"] for x in steps] == [1, 2]

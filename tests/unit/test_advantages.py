@@ -5,13 +5,9 @@ import math
 import pytest
 import torch
 
-from megatron_rl.algo.advantages import (
-    ADVANTAGES,
-    compute_advantages,
-    drgrpo_advantages,
-    grpo_advantages,
-    rloo_advantages,
-)
+from megatron_rl.algo import ALGORITHMS, algorithm_defaults, get_algorithm
+from megatron_rl.algo.advantages import grpo_advantages, rloo_advantages
+from megatron_rl.config import AlgorithmConfig
 
 
 def test_grpo_std_normalized_hand_values():
@@ -30,8 +26,13 @@ def test_drgrpo_is_mean_only():
     r = torch.tensor([1.0, 2.0, 3.0, 0.0, 4.0])
     g = torch.tensor([0, 0, 0, 1, 1])
     expected = torch.tensor([-1.0, 0.0, 1.0, -2.0, 2.0])
-    torch.testing.assert_close(drgrpo_advantages(r, g), expected)
     torch.testing.assert_close(grpo_advantages(r, g, norm_by_std=False), expected)
+    # one spelling: algorithm drgrpo and grpo + norm_adv_by_std=false are the same estimator
+    dr = get_algorithm("drgrpo").advantages(AlgorithmConfig(name="drgrpo"), r, g)
+    grpo_no_std = get_algorithm("grpo").advantages(
+        AlgorithmConfig(name="grpo", norm_adv_by_std=False), r, g)
+    torch.testing.assert_close(dr, expected)
+    torch.testing.assert_close(grpo_no_std, expected)
 
 
 def test_rloo_leave_one_out():
@@ -41,12 +42,12 @@ def test_rloo_leave_one_out():
     torch.testing.assert_close(rloo_advantages(r, g), torch.tensor([-1.5, 0.0, 1.5]))
 
 
-@pytest.mark.parametrize("name", sorted(ADVANTAGES))
+@pytest.mark.parametrize("name", sorted(ALGORITHMS))
 def test_all_equal_group_and_singleton_get_zero(name):
     # 0.1 is not exact in binary: a naive (r - mean) / (std + 1e-6) would amplify rounding noise.
     r = torch.tensor([0.1, 0.1, 0.1, 7.0, 1.0, 0.0])
     g = torch.tensor([0, 0, 0, 1, 2, 2])  # group 1 has one sample; group 2 has signal
-    adv = ADVANTAGES[name](r, g)
+    adv = get_algorithm(name).advantages(AlgorithmConfig(name=name), r, g)
     assert adv[:4].tolist() == [0.0, 0.0, 0.0, 0.0]
     assert adv[4] > 0 > adv[5]
 
@@ -62,11 +63,32 @@ def test_interleaved_ragged_groups_match_per_group_computation():
         torch.testing.assert_close(adv[g == k], expected)
 
 
-def test_compute_advantages_dispatch_and_unknown():
-    r = torch.tensor([1.0, 2.0, 3.0])
-    g = torch.zeros(3, dtype=torch.long)
-    torch.testing.assert_close(
-        compute_advantages("grpo", r, g, norm_by_std=False), torch.tensor([-1.0, 0.0, 1.0])
-    )
-    with pytest.raises(ValueError, match="adv_estimator"):
-        compute_advantages("ppo", r, g)
+def test_registry_unknown_name_and_defaults():
+    with pytest.raises(ValueError, match="algorithm.name"):
+        get_algorithm("ppo")
+    with pytest.raises(ValueError, match="algorithm.name"):
+        AlgorithmConfig(name="ppo")
+    with pytest.raises(ValueError, match="norm_adv_by_std"):
+        AlgorithmConfig(name="rloo", norm_adv_by_std=True)
+    with pytest.raises(ValueError, match="norm_adv_by_std"):
+        AlgorithmConfig(name="drgrpo", norm_adv_by_std=True)
+    from omegaconf import OmegaConf
+
+    assert algorithm_defaults([]) == {}
+    dapo = algorithm_defaults([OmegaConf.create({"algorithm": {"name": "dapo"}})])
+    assert dapo["algorithm.clip_ratio_high"] == 0.28 and dapo["algorithm.dynamic_sampling"]
+
+
+def test_algorithm_defaults_sit_under_the_recipe_and_overrides(tmp_path):
+    """`algorithm.name=dapo` brings DAPO's values; an explicit override still wins."""
+    from megatron_rl.config import RLConfig
+    from megatron_rl.recipe import load_config
+
+    cfg = load_config(RLConfig, None, ["algorithm.name=dapo", "algorithm.clip_ratio_c=5"],
+                      defaults=algorithm_defaults)
+    assert cfg.algorithm.clip_ratio_high == 0.28 and cfg.algorithm.dynamic_sampling
+    assert cfg.algorithm.clip_ratio_c == 5.0 and cfg.reward.incorrect_reward == -1.0
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("algorithm:\n  name: drgrpo\n  loss_agg_mode: token-mean\n")
+    cfg = load_config(RLConfig, str(recipe), [], defaults=algorithm_defaults)
+    assert cfg.algorithm.norm_adv_by_std is False and cfg.algorithm.loss_agg_mode == "token-mean"

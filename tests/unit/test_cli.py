@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from megatron_rl.cli import load_config, split_config_args
+from megatron_rl.recipe import load_config, split_config_args
 from megatron_rl.config import RLConfig, SFTConfig
 
 
@@ -46,5 +46,47 @@ def test_split_config_args():
 
 
 def test_config_imports_without_torch():
-    code = "import sys, megatron_rl.config, megatron_rl.cli; assert 'torch' not in sys.modules"
+    code = ("import sys, megatron_rl.config, megatron_rl.cli, megatron_rl.recipe; "
+            "assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "megatron_rl.cli", *args], capture_output=True,
+                          text=True, timeout=300)
+
+
+@pytest.mark.parametrize("cmd,schema", [("train", RLConfig), ("sft", SFTConfig), ("eval", RLConfig)])
+def test_help_lists_every_section_and_field(cmd, schema):
+    from megatron_rl.recipe import _valid_keys, field_docs
+
+    out = _cli(cmd, "--help")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert f"usage: megatron-rl {cmd}" in out.stdout
+    keys, _ = _valid_keys(schema)
+    leaves = [k for k in keys if not any(o.startswith(k + ".") for o in keys)]
+    missing = [k for k in leaves if f"  {k}: " not in out.stdout]
+    assert not missing, missing
+    sections = [k for k in keys if k not in leaves]
+    assert all(f"[{k}]" in out.stdout for k in sections)
+    # docstrings come along (one sample field per schema)
+    assert " ".join(field_docs(type(schema().trainer))["total_steps"].split()) in out.stdout
+
+
+def test_config_command_prints_a_loadable_default_recipe(tmp_path):
+    out = _cli("config", "train")
+    assert out.returncode == 0, out.stderr[-2000:]
+    recipe = tmp_path / "full.yaml"
+    recipe.write_text(out.stdout)
+    assert load_config(RLConfig, str(recipe), []) == RLConfig()
+    assert _cli("config", "nope").returncode == 2
+
+
+def test_literal_fields_are_checked_by_name():
+    with pytest.raises(ValueError, match=r"(?s)sglang.*rollout.engine"):
+        load_config(RLConfig, None, ["rollout.engine=sglng"])
+    with pytest.raises(ValueError, match=r"(?s)token-mean.*algorithm.loss_agg_mode"):
+        load_config(RLConfig, None, ["algorithm.loss_agg_mode=sum"])
+    with pytest.raises(ValueError, match=r"reward.diversity.weight"):
+        load_config(RLConfig, None, ["reward.diversity.mode=multiplicative",
+                                     "reward.diversity.weight=2"])

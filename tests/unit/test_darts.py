@@ -77,7 +77,7 @@ def test_length_stats_ema_and_state():
     t = LengthStats()
     t.load_state_dict(json.loads(json.dumps(s.state_dict())))
     assert t.ema == s.ema and t.alpha == 0.5
-    with pytest.raises(ValueError, match="darts_length_ema"):
+    with pytest.raises(ValueError, match="rollout.darts.length_ema"):
         LengthStats(alpha=0)
 
 
@@ -118,7 +118,8 @@ def test_engine_keeps_n_by_finishing_order(engine, m, long):
     sp = SamplingParams(temperature=1.0, max_new_tokens=12, seed=5,
                         stop_token_ids=[_stop_token(engine)])
     plain = engine.generate(PROMPTS, m, sp)
-    kept = engine.generate_groups(PROMPTS, [DualEndCounter(n, m, long) for _ in PROMPTS], sp)
+    kept, stats = engine.generate_groups(PROMPTS, [DualEndCounter(n, m, long) for _ in PROMPTS],
+                                         sp)
     assert [len(g) for g in kept] == [n] * len(PROMPTS)
     for k, group in enumerate(kept):
         pool = plain[k * m:(k + 1) * m]
@@ -126,7 +127,6 @@ def test_engine_keeps_n_by_finishing_order(engine, m, long):
         want = sorted(order[: n - long] + (order[m - long:] if long else []))
         assert [s.response_ids for s in group] == [pool[i].response_ids for i in want]
         assert all(s.finish_reason in ("stop", "length") for s in group)
-    stats = engine.last_darts
     assert stats["generated"] + stats["pruned"] == m * len(PROMPTS)
     if long:
         assert stats["pruned"] == 0 and stats["rejected"] == (m - n) * len(PROMPTS)
@@ -135,9 +135,11 @@ def test_engine_keeps_n_by_finishing_order(engine, m, long):
 
 
 def test_bad_darts_config_names_the_field():
-    from megatron_rl.config import RolloutConfig
+    from megatron_rl.config import DartsConfig, RolloutConfig
+    from megatron_rl.rollout import check_engine
 
-    with pytest.raises(ValueError, match="rollout.darts_redundancy"):
-        RolloutConfig(darts=True, darts_redundancy=0.5)
-    with pytest.raises(ValueError, match="rollout.darts"):
-        RolloutConfig(darts=True, engine="sglang")
+    with pytest.raises(ValueError, match="rollout.darts.redundancy"):
+        DartsConfig(enabled=True, redundancy=0.5)
+    # an engine without grouped generation is refused for DARTS, naming the field
+    with pytest.raises(ValueError, match="rollout.darts.enabled"):
+        check_engine(RolloutConfig(engine="diffusion"), "diffusion", darts=True)

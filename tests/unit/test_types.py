@@ -69,4 +69,21 @@ def test_sampling_params():
         def wake(self):
             pass
 
-    assert isinstance(Fake(), RolloutEngine)
+    assert not isinstance(Fake(), RolloutEngine)  # no weight seam, close, state: not an engine
+
+    class Full(Fake):
+        policy_version = 0
+
+        def push_weights(self, module, version):
+            self.policy_version = version
+
+        def close(self):
+            pass
+
+        def state_dict(self):
+            return {}
+
+        def load_state_dict(self, state):
+            pass
+
+    assert isinstance(Full(), RolloutEngine)
