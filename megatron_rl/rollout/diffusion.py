@@ -38,6 +38,9 @@ max_new_tokens; the stop token is kept). Outputs never contain the mask token.
 
     engine = DiffusionEngine(model, ps, mask_id=99, sampling=DiffusionSampling(algorithm="sdar"))
     samples = engine.generate([[1, 5, 6]], n=4, sampling=SamplingParams(max_new_tokens=16))
+
+Why one file over 450 lines: the four samplers share the masking, transfer-quota, stop and
+TP-sync primitives of one engine; one file per sampler would scatter those shared rules.
 """
 
 from __future__ import annotations

@@ -19,6 +19,9 @@ Both sample the same way: temperature, top-k, top-p; stop token ids and stop str
 `max_new_tokens`; the per-token log-prob of each sampled token is that of the temperature-scaled
 policy (before top-k/top-p truncation), which is what the actor recomputes as pi_old.
 Pipeline parallelism is not supported by this engine (a clear error); use SGLang for PP > 1.
+
+Why one file over 450 lines: the two decoders share the sampling, stop and abort rules and the
+continuous-batching bookkeeping; split apart, each half would re-state them.
 """
 
 from __future__ import annotations

@@ -93,3 +93,25 @@ def test_train_with_darts_rollout_shaping(tmp_path):
     extra = json.loads((out_dir / "checkpoints" / "step_000002" / "extra.json").read_text())
     assert len(extra["darts"]["ema"]) == 8  # the 8 prompts seen in two steps of 4
     assert extra["darts"]["alpha"] == pytest.approx(0.3)
+
+
+def test_missing_external_engine_is_refused_before_the_model(tmp_path):
+    """`rollout.engine=sglang` where SGLang is not installed: exit 2 naming it, nothing written."""
+    out_dir = tmp_path / "run"
+    r = train(BASE + ["rollout.engine=sglang", f"trainer.output_dir={out_dir}"], tmp_path)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "sglang" in r.stderr and "rollout.engine" in r.stderr
+    assert not out_dir.exists()
+
+
+def test_train_on_a_diffusion_model_is_refused_naming_the_kind(tmp_path):
+    """A diffusion family given to `train` with an autoregressive algorithm: a clear message
+    before the model is built (never trained as a causal LM)."""
+    out_dir = tmp_path / "run"
+    llada = ["model.tiny={architectures: [LLaDAModelLM], d_model: 32, n_heads: 4, n_kv_heads: 4, "
+             "n_layers: 2, mlp_hidden_size: 64, max_sequence_length: 128, vocab_size: 100, "
+             "mask_token_id: 99}"]
+    r = train(BASE + llada + [f"trainer.output_dir={out_dir}"], tmp_path)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "algorithm.name" in r.stderr and "diffusion" in r.stderr
+    assert not out_dir.exists()
