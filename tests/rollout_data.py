@@ -33,27 +33,28 @@ def tiny_step(step: int, *, seed: int = 0, groups: int = 64, n: int = 8, max_new
     old = lp + rng.normal(0, 1e-3, lp.size).astype(np.float32)
     digits = [tok.encode(c)[0] for c in "0123456789 "]
     ids = np.array(digits)[rng.integers(0, len(digits), lengths.sum())]
+    use_answer = np.repeat(correct, n) & (rng.random(groups * n) < 0.5)  # answer, then EOS
     reward = np.zeros(groups * n)
     ends = np.cumsum(lengths)
     samples = []
-    for k in range(groups * n):
-        g = k // n
+    for g in range(groups):  # per prompt, shared by its samples as make_groups shares it
         uid = f"synthetic_arithmetic/train:{step * groups + g}"
-        answer = tok.encode(str(a[g] + b[g]))
-        resp = ids[ends[k] - lengths[k]: ends[k]].tolist()
-        if correct[g] and rng.random() < 0.5:  # a right answer, then EOS
-            resp = (answer + [tok.eos_token_id])[: len(resp)]
-        reward[k] = float(resp[:-1] == answer and resp[-1] == tok.eos_token_id)
-        start = ends[k] - lengths[k]
-        s = Sample(prompt_ids=[tok.bos_token_id] + tok.encode(f"{a[g]}+{b[g]}="),
-                   response_ids=resp, response_logprobs=torch.from_numpy(lp[start:start + len(resp)]),
-                   group_id=uid, sample_id=f"{uid}#{k % n}",
-                   finish_reason="stop" if resp[-1] == tok.eos_token_id else "length",
-                   reward=float(reward[k]), reward_metrics={"correct": float(reward[k])},
-                   ground_truth=str(a[g] + b[g]), policy_version=step - 1,
-                   metadata={"data_source": "synthetic_arithmetic",
-                             "extra_info": {"index": int(step * groups + g), "split": "train"}})
-        samples.append(s)
+        answer = tok.encode(str(a[g] + b[g])) + [tok.eos_token_id]
+        prompt = [tok.bos_token_id] + tok.encode(f"{a[g]}+{b[g]}=")
+        truth, info = str(a[g] + b[g]), {"index": int(step * groups + g), "split": "train"}
+        for k in range(g * n, (g + 1) * n):
+            start = ends[k] - lengths[k]
+            resp = answer[: lengths[k]] if use_answer[k] else ids[start: ends[k]].tolist()
+            reward[k] = float(resp == answer)
+            samples.append(Sample(
+                prompt_ids=prompt, response_ids=resp,
+                response_logprobs=torch.from_numpy(lp[start:start + len(resp)]),
+                group_id=uid, sample_id=f"{uid}#{k % n}",
+                finish_reason="stop" if resp[-1] == tok.eos_token_id else "length",
+                reward=float(reward[k]), reward_metrics={"correct": float(reward[k])},
+                ground_truth=truth,
+                policy_version=step - 1,
+                metadata={"data_source": "synthetic_arithmetic", "extra_info": info}))
     r = reward.reshape(groups, n)
     adv = ((r - r.mean(1, keepdims=True)) / (r.std(1, keepdims=True) + 1e-6)).reshape(-1)
     olds = [old[e - k: e - k + len(s.response_ids)] for s, e, k in zip(samples, ends, lengths)]
