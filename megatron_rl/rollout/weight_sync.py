@@ -312,7 +312,7 @@ class SGLangDistributedTransport:
             for t in threads:
                 t.start()
             for _, t in bucket:  # the servers receive in `names` order
-                self.group.broadcast([t.contiguous()], 0).wait()
+                self.group.broadcast(t.contiguous(), 0).wait()
             for t in threads:
                 t.join()
             if errors:
