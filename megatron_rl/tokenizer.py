@@ -57,9 +57,12 @@ class CharTokenizer:
         return [self.bos_token_id, *ids] if add_special_tokens else ids
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        """Ids past the table (a model vocabulary padded beyond the tokenizer's, as HF models
+        often are) decode to nothing, as HF tokenizers do for ids they do not hold."""
         ids = [int(i) for i in ids]
-        n_special = len(SPECIAL_TOKENS)
-        return "".join(self._itos[i] for i in ids if not (skip_special_tokens and i < n_special))
+        n_special, n = len(SPECIAL_TOKENS), len(self._itos)
+        return "".join(self._itos[i] for i in ids
+                       if i < n and not (skip_special_tokens and i < n_special))
 
     def apply_chat_template(
         self,

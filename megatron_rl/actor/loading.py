@@ -61,18 +61,24 @@ def resolve_dtype(name: str) -> torch.dtype:
     return {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
 
 
-def build_module(src: ModelSource, ps: ParallelState, cfg: ModelConfig):
+def build_module(src: ModelSource, ps: ParallelState, cfg: ModelConfig, packed: bool = False):
     """Build this rank's GPTModel (and its TransformerConfig) and load the weights if any.
 
     The family decides the attention: causal for autoregressive models; bidirectional
     (`no_mask`) for diffusion LMs, with flex attention for the packed training forward and SDPA
-    for sampling under `attention_backend=auto` ("flex_sdpa")."""
+    for sampling under `attention_backend=auto` ("flex_sdpa"). `packed` (THD micro-batches,
+    trainer.micro_batch_layout=packed) needs per-document attention: auto builds flex."""
     from megatron_rl.models.builder import build_model
     from megatron_rl.models.dllm import model_kind
     from megatron_rl.models.weights import load_hf_weights
 
     kwargs = {}
     backend = cfg.attention_backend
+    if packed and model_kind(src.hf_config) == "autoregressive":
+        if backend not in ("auto", "flex", "te"):
+            raise ValueError(f"config field `model.attention_backend`: {backend} cannot attend per "
+                             f"document; trainer.micro_batch_layout=packed needs auto, flex or te")
+        backend = "flex" if backend == "auto" else backend
     if model_kind(src.hf_config) == "diffusion":
         from megatron.core.transformer.enums import AttnMaskType
 

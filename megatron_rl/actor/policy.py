@@ -14,9 +14,12 @@ It owns two operations on ragged batches of sequences (prompt + response token i
   `TrainBatch`, with the global (all micro-batches, all DP ranks) normalizers of each mini-batch.
 
 Micro-batches come from the one planner (`actor/microbatch.py`, the csrc length-bucketed
-planner) and are right-padded: with causal attention a valid token never attends to the
-padding after it, so no mask is needed and the result equals the unpadded forward. Both
-operations run through Megatron's `get_forward_backward_func`, so pipeline parallelism works
+planner). They are right-padded by default: with causal attention a valid token never attends to
+the padding after it, so no mask is needed and the result equals the unpadded forward. With
+`packed` (trainer.micro_batch_layout=packed) each micro-batch is one THD row built by the csrc
+pack kernel, attention runs per document (flex attention on `cu_seqlens`), and no padding is
+computed; the padded path stays as its reference (tests compare them). Both operations run
+through Megatron's `get_forward_backward_func`, so pipeline parallelism works
 unchanged (log-probs then exist on the last pipeline stage only).
 
 Megatron's schedule divides each micro-batch loss by the number of micro-batches and its DDP
@@ -44,9 +47,12 @@ LossFn = Callable[[list[int], list[torch.Tensor], list[torch.Tensor]], tuple[tor
 @dataclass
 class _MicroBatch:
     indices: list[int]
-    tokens: torch.Tensor  # [b, s] right-padded
+    tokens: torch.Tensor  # [b, s] right-padded, or [1, total] packed (THD)
     lengths: list[int]
     starts: list[int]
+    offsets: list[int] | None = None  # packed: first row of each sample in the packed row
+    positions: torch.Tensor | None = None  # packed: position of each token inside its sample
+    packed_seq_params: object = None  # packed: megatron PackedSeqParams (per-document attention)
 
 
 class Policy:
@@ -67,6 +73,7 @@ class Policy:
         self.scheduler = scheduler
         self.micro_batch_tokens = 8192
         self.pad_id = 0
+        self.packed = False  # micro-batches as one THD row per micro-batch (trainer.micro_batch_layout)
 
     @property
     def module(self):
@@ -76,6 +83,8 @@ class Policy:
     # ----------------------------------------------------------------------------------------
     def _micro_batches(self, seqs: list[torch.Tensor], starts: list[int]) -> list[_MicroBatch]:
         lengths = [int(s.numel()) for s in seqs]
+        if self.packed:
+            return self._packed_micro_batches(seqs, starts, lengths)
         out = []
         for idx in plan_micro_batches(lengths, self.micro_batch_tokens):
             width = max(lengths[i] for i in idx)
@@ -88,12 +97,47 @@ class Policy:
             )
         return out
 
+    def _packed_micro_batches(self, seqs, starts, lengths) -> list[_MicroBatch]:
+        """One THD row per micro-batch, gathered from a flat ragged buffer of all sequences by
+        the csrc pack kernel; no padding except up to a multiple of the TP size (sequence
+        parallelism splits the row), as one extra document that no sample reads."""
+        from megatron_rl.ops import pack, packed_layout, packed_seq_params
+
+        flat = torch.cat(seqs)
+        offs = [0]
+        for n in lengths:
+            offs.append(offs[-1] + n)
+        tp = self.ps.tp_size
+        out = []
+        for idx in plan_micro_batches(lengths, self.micro_batch_tokens):
+            lens = [lengths[i] for i in idx]
+            layout = packed_layout(lens, idx, offsets=offs)
+            tokens, cu, pos = pack(flat, layout), layout.cu_seqlens, layout.position_ids
+            extra = -layout.total % tp
+            if extra:
+                tokens = torch.cat([tokens, tokens.new_full((extra,), self.pad_id)])
+                cu = torch.cat([cu, cu.new_tensor([layout.total + extra])])
+                pos = torch.cat([pos, torch.arange(extra, dtype=pos.dtype)])
+            dev = self.ps.device
+            cu = cu.to(dev)
+            out.append(_MicroBatch(
+                idx, tokens.to(dev).unsqueeze(0), lens, [starts[i] for i in idx],
+                offsets=cu[:-1].tolist()[: len(idx)], positions=pos.to(dev).unsqueeze(0),
+                packed_seq_params=packed_seq_params(cu, max(lens + [extra])),
+            ))
+        return out
+
     def _response_logprobs(self, logits, mb: _MicroBatch, temperature: float, with_entropy: bool):
         """logits [b, s, V/tp] -> per-sample response log-probs (and entropy)."""
         rows, targets, spans = [], [], []
         for r, (n, p) in enumerate(zip(mb.lengths, mb.starts)):
-            rows.append(logits[r, p - 1 : n - 1])
-            targets.append(mb.tokens[r, p:n])
+            if mb.offsets is not None:  # packed: sample r occupies row 0 from offsets[r]
+                o = mb.offsets[r]
+                rows.append(logits[0, o + p - 1 : o + n - 1])
+                targets.append(mb.tokens[0, o + p : o + n])
+            else:
+                rows.append(logits[r, p - 1 : n - 1])
+                targets.append(mb.tokens[r, p:n])
             spans.append(n - p)
         lp, ent = vocab_parallel_logprobs(
             torch.cat(rows), torch.cat(targets), temperature=temperature,
@@ -110,6 +154,9 @@ class Policy:
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
+            if mb.packed_seq_params is not None:
+                out = model(mb.tokens, mb.positions, None, packed_seq_params=mb.packed_seq_params)
+                return out, lambda logits: loss_closure(mb, logits)
             b, s = mb.tokens.shape
             pos = torch.arange(s, device=mb.tokens.device).unsqueeze(0).expand(b, s)
             out = model(mb.tokens, pos, None)
@@ -294,9 +341,10 @@ def wrap_ddp(module, tcfg, ps: ParallelState, use_distributed_optimizer: bool):
 
 def build_policy(
     module, tcfg, ps: ParallelState, ocfg: OptimizerConfig | None, total_optimizer_steps: int = 1,
-    micro_batch_tokens: int = 8192, pad_id: int = 0,
+    micro_batch_tokens: int = 8192, pad_id: int = 0, packed: bool = False,
 ) -> Policy:
-    """Wrap a built GPTModel into a trainable Policy (ocfg=None: a frozen reference policy)."""
+    """Wrap a built GPTModel into a trainable Policy (ocfg=None: a frozen reference policy).
+    packed: micro-batches as THD rows (the model must run flex or TE attention)."""
     tcfg.variable_seq_lengths = True  # micro-batches differ in shape (pipeline p2p needs this)
     if ocfg is None:
         for p in module.parameters():
@@ -309,4 +357,5 @@ def build_policy(
         policy = Policy(ddp, tcfg, ps, optimizer, scheduler)
     policy.micro_batch_tokens = micro_batch_tokens
     policy.pad_id = pad_id
+    policy.packed = packed
     return policy

@@ -119,6 +119,11 @@ class LeanDecoder:
         self._cos = emb.cos().to(self.dtype)  # Megatron casts cos/sin to the activation dtype
         self._sin = emb.sin().to(self.dtype)
 
+    @property
+    def has_graphs(self) -> bool:
+        """Decode CUDA graphs are captured (and hold pointers into the KV cache)."""
+        return bool(self._graphs)
+
     def release(self) -> None:
         """Free the KV cache and the captured graphs (engine.sleep)."""
         self._graphs.clear()

@@ -1,8 +1,16 @@
-"""RL loop smoke + step time on one device: the quickstart's tiny model, built-in engine, GRPO.
+"""Whole RL steps on one device, timed stage by stage.
 
-    python tools/bench/rl_step.py --steps 5            # prints the run's result and step times
+    python tools/bench/rl_step.py --steps 5        # smoke: the quickstart's tiny model, GRPO
+    python tools/bench/rl_step.py --peer           # the single-GPU peer's configuration
 
-Builds the config in Python (no YAML / OmegaConf needed), so it runs in a bare image.
+`--peer` is the configuration TRL's GRPOTrainer is measured at (tools/bench/trl_grpo_peer.py,
+run both in one device call): a random Qwen3-0.6B shape, bf16, 8 prompts x 8 samples, 96-token
+prompts, 512 new tokens (a random 151,936-token model practically never samples EOS, so every
+response runs to the cap; the mean length is printed), no KL, one optimizer step per rollout.
+It prints one JSON line per step and a summary line with the median over steps >= 3 of the step
+time and of its split (rollout, reward, old log-probs, train). `--layout packed|padded` picks the
+actor's micro-batch layout; `--no-keep-graphs` frees the decode graphs at every engine.sleep()
+(the previous behaviour) for comparison.
 """
 
 from __future__ import annotations
@@ -10,36 +18,93 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
+import statistics
 import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from megatron_rl.config import DataConfig, RLConfig, RolloutConfig, TrainerConfig  # noqa: E402
+from megatron_rl.config import (  # noqa: E402
+    DataConfig,
+    ModelConfig,
+    OptimizerConfig,
+    RewardConfig,
+    RLConfig,
+    RolloutConfig,
+    TrainerConfig,
+)
+
+QWEN3_06B = {
+    "architectures": ["Qwen3ForCausalLM"], "hidden_size": 1024, "intermediate_size": 3072,
+    "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
+    "max_position_embeddings": 2048, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": True, "vocab_size": 151936,
+}
+
+
+def peer_reward(response: str, ground_truth, *, prompt: str, sample) -> float:
+    """A reward with spread inside every group (so advantages and gradients are not zero)."""
+    return float(len(response) % 3) / 2.0
+
+
+def peer_config(out: str, steps: int, layout: str, keep_graphs: bool) -> RLConfig:
+    rows = os.path.join(out, "prompts.jsonl")
+    rng = random.Random(0)
+    with open(rows, "w") as f:
+        for i in range(256):  # 96 characters = 96 tokens of the character tokenizer (+ BOS)
+            f.write(json.dumps({"prompt": "".join(rng.choice("0123456789+-*= ") for _ in range(95)),
+                                "reward_model": {"ground_truth": str(i)}}) + "\n")
+    return RLConfig(
+        model=ModelConfig(tiny=QWEN3_06B, dtype="bf16"),
+        data=DataConfig(train_files=[rows], val_files=[rows], train_batch_size=8,
+                        max_prompt_length=128),
+        rollout=RolloutConfig(n=8, max_new_tokens=512, max_batch_size=64,
+                              keep_decode_graphs=keep_graphs),
+        reward=RewardConfig(name="rl_step:peer_reward"),
+        optimizer=OptimizerConfig(lr=1e-6),
+        trainer=TrainerConfig(total_steps=steps, output_dir=out, tensorboard=False,
+                              progress_bar=False, num_eval_examples=8, micro_batch_tokens=16384,
+                              micro_batch_layout=layout),
+    )
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--peer", action="store_true")
+    ap.add_argument("--layout", choices=["padded", "packed"], default="packed")
+    ap.add_argument("--no-keep-graphs", action="store_true")
     args = ap.parse_args()
     from megatron_rl import train
     from megatron_rl.metrics import read_metrics
 
     out = tempfile.mkdtemp()
-    cfg = RLConfig(
-        data=DataConfig(train_batch_size=16, num_train_examples=512, num_val_examples=32),
-        rollout=RolloutConfig(n=8, max_new_tokens=8),
-        trainer=TrainerConfig(total_steps=args.steps, output_dir=out, tensorboard=False,
-                              progress_bar=False, num_eval_examples=32),
-    )
+    if args.peer:
+        cfg = peer_config(out, args.steps or 7, args.layout, not args.no_keep_graphs)
+    else:
+        cfg = RLConfig(
+            data=DataConfig(train_batch_size=16, num_train_examples=512, num_val_examples=32),
+            rollout=RolloutConfig(n=8, max_new_tokens=8),
+            trainer=TrainerConfig(total_steps=args.steps or 5, output_dir=out, tensorboard=False,
+                                  progress_bar=False, num_eval_examples=32),
+        )
     result = train.run(cfg)
-    for row in read_metrics(out):
-        if "reward/mean" in row:
-            print(json.dumps({"bench": "rl_step", "step": row["step"],
-                              "reward": round(row["reward/mean"], 3),
-                              "step_s": round(sum(v for k, v in row.items() if k.startswith("time/")), 3),
-                              "logprob_gap_max": row["rollout/logprob_gap_max"]}))
-    print(json.dumps({"bench": "rl_step", **result}))
+    name = "rl_step_peer" if args.peer else "rl_step"
+    tag = {"layout": cfg.trainer.micro_batch_layout, "keep_graphs": cfg.rollout.keep_decode_graphs}
+    rows = [r for r in read_metrics(out) if "reward/mean" in r]
+    for row in rows:
+        print(json.dumps({"bench": name, **tag, "step": row["step"],
+                          "step_s": round(row["time/step"], 3),
+                          **{k[5:] + "_s": round(v, 3) for k, v in row.items()
+                             if k.startswith("time/") and k != "time/step"},
+                          "response_length": row["response_length/mean"],
+                          "logprob_gap_max": row.get("rollout/logprob_gap_max")}))
+    late = [r for r in rows if r["step"] >= 3] or rows
+    keys = sorted({k for r in late for k in r if k.startswith("time/")})
+    print(json.dumps({"bench": name, **tag, "summary": "median of steps >= 3",
+                      **{k[5:] + "_s": round(statistics.median(r.get(k, 0.0) for r in late), 3)
+                         for k in keys}, **result}))
 
 
 if __name__ == "__main__":
