@@ -42,6 +42,8 @@ The estimate is of allocated bytes (torch.cuda.max_memory_allocated); `--reserve
 CUDA context, NCCL buffers and allocator slack. Calibrated against docs/benchmarks.md
 (tests/unit/test_plan.py). The ranking is a heuristic time model (recompute, pipeline bubble,
 TP/CP communication, micro-batch size); memory decides feasibility, the ranking only orders.
+Over 450 lines because the memory model, the layout search and the command are one concept
+(they are only used together) and splitting them would leave each file a fragment.
 """
 
 from __future__ import annotations
@@ -447,7 +449,7 @@ def main(argv: list[str]) -> int:
         for e in ests:
             print(json.dumps({**dataclasses.asdict(e.layout), **{k: round(v, 3) for k, v in e.gib.items()},
                               "phase": e.phase, "fits": e.fits, "cost": round(e.cost, 4)}))
-    print(f"model {source}: {shape.total_params() / 1e9:.2f}B params; cluster {a.nodes} x "
+    print(f"model {a.model} ({os.path.basename(source)}): {shape.total_params() / 1e9:.2f}B params; cluster {a.nodes} x "
           f"{a.gpus_per_node} x {a.gpu} ({cluster.mem_gib:.1f} GiB, {a.reserve_gib:.1f} reserved); "
           f"{a.prompts} prompts x {a.n}, {a.prompt_len} + {a.response_len} tokens; engine {a.engine}")
     problem = buildable(hf)
