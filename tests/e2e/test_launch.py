@@ -10,6 +10,7 @@
   inside the image.
 - Docker dry run: the `docker run` command NeMo-Run's arguments amount to (nvidia runtime, GPUs,
   volumes, env, the image, torchrun with the megatron-rl command).
+- An example's launch script (examples/qwen3_30b_a3b_darts/launch.py) dry-runs on Slurm.
 Needs nemo-run (`pip install .[launch]`).
 """
 
@@ -111,3 +112,21 @@ def test_container_runs_refuse_a_relative_output_dir(tmp_path):
     r = launch("train", ["--executor", "docker", "--container-image", "img", "--dryrun", "--",
                          "--config", "examples/quickstart/grpo.yaml"], tmp_path, timeout=120)
     assert r.returncode == 2 and "trainer.output_dir=/ABS/PATH" in r.stderr
+
+
+def test_example_launch_script_dry_run(tmp_path):
+    """examples/qwen3_30b_a3b_darts/launch.py: one node of 8 GPUs, the recipe from the image."""
+    env = dict(os.environ, NEMORUN_HOME=str(tmp_path / "nemo_run_home"))
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    r = subprocess.run([sys.executable, os.path.join(REPO, "examples", "qwen3_30b_a3b_darts",
+                                                     "launch.py"),
+                        "--account", "acct", "--container-image", "megatron-rl:0.1.0",
+                        "--job-dir", str(tmp_path / "jobs"), "--dryrun",
+                        "trainer.output_dir=/lustre/runs/q30"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    script = r.stdout.split("sbatch script:\n", 1)[1]
+    assert "#SBATCH --nodes=1" in script and "#SBATCH --gpus-per-node=8" in script
+    assert ("--nnodes 1 --nproc-per-node 8 --node-rank 0 --tee 3 -m megatron_rl.cli "
+            "train --config /opt/megatron-rl/examples/qwen3_30b_a3b_darts/grpo_darts.yaml "
+            "trainer.output_dir=/lustre/runs/q30") in script
