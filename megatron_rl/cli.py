@@ -31,6 +31,8 @@ SUBCOMMANDS = {
     "eval": "megatron_rl.evaluate:main",
     "generate": "megatron_rl.generate:main",
     "plot": "megatron_rl.plot:main",
+    "report": "megatron_rl.report:main",
+    "inspect": "megatron_rl.inspect_run:main",
     "convert": "megatron_rl.convert:main",
     "check-parity": "megatron_rl.parity:main",
     "plan": "megatron_rl.plan:main",
