@@ -15,6 +15,7 @@ Only the standard library is used (urllib), so importing it costs nothing.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import signal
@@ -101,6 +102,9 @@ class ServerProcess:
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=log,
                                          stderr=subprocess.STDOUT, start_new_session=True)
+        # Its own session survives our death: stop it when this interpreter exits for any
+        # reason the engine's close() did not run (an exception in the loop).
+        atexit.register(self.stop)
         while time.perf_counter() - t0 < timeout_s:
             if self.proc.poll() is not None:
                 raise EngineServerError(

@@ -51,13 +51,14 @@ def check_available(rollout_cfg) -> None:
             raise ValueError(f"config field `rollout.sglang.urls`: {url!r} is not an http(s) URL")
     if sc.urls:
         return
+    if not sc.python and importlib.util.find_spec("sglang") is None:
+        raise ValueError(f"config field `rollout.engine`: sglang needs the `sglang` package, "
+                         f"which is not installed (pip install sglang=={SGLANG_VERSION}, or the "
+                         f"project's Docker image), or rollout.sglang.urls of running servers")
     if not torch.cuda.is_available():
         raise ValueError("config field `rollout.sglang.urls`: launch mode starts SGLang servers "
                          "on this node's GPUs and there is none; give the URLs of running "
                          "servers or use rollout.engine=vllm / local")
-    if not sc.python and importlib.util.find_spec("sglang") is None:
-        raise ValueError(f"rollout.engine=sglang: the `sglang` package is not installed "
-                         f"(pip install sglang=={SGLANG_VERSION}, or the project's Docker image)")
     if sc.weight_transport == "tensor" and sc.tp > torch.cuda.device_count():
         raise ValueError(f"config field `rollout.sglang.tp`: {sc.tp} > the "
                          f"{torch.cuda.device_count()} GPU(s) of this node")
@@ -198,9 +199,8 @@ class SGLangEngine:
         """Sample id -> the server generating it (what `abort` can stop)."""
 
     def generate(self, prompts, n, sampling) -> list[Sample]:
-        if self._released:
-            raise RuntimeError(f"SGLang engine: generate while asleep (released "
-                               f"{self._released}); call wake() first")
+        if self._released:  # the loop may go from the weight push straight to the rollout
+            self.wake()
         samples = None
         if external.is_sender(self.ps):
             requests = [(p, f"{self._prefix}-{next(self._ids)}") for p in prompts

@@ -181,7 +181,8 @@ class VLLMEngine:
     """The rollout-engine protocol on a vLLM server (see the module docstring)."""
 
     def __init__(self, client: VLLMClient | None, ps, *, transport=None, server=None,
-                 owned_dirs: Iterable[str] = (), max_concurrency: int = 64, seed: int = 0):
+                 owned_dirs: Iterable[str] = (), max_concurrency: int = 64, seed: int = 0,
+                 verify_sync_tol: float = 0.0):
         self.client = client  # None on ranks that do not talk to the server
         self.ps = ps
         self.transport = transport
@@ -193,6 +194,10 @@ class VLLMEngine:
         self._ids = itertools.count()
         self._prefix = f"vllm-r{ps.rank}-{os.urandom(4).hex()}"
         self.in_flight: set[str] = set()
+        self.verify_sync_tol = verify_sync_tol
+        self.last_sync_error: float | None = None
+        """Max |engine - actor| log-prob on `sync_check_ids` after the last push (verify on)."""
+        self._asleep = False
         """Sample ids of the requests now on the server (what `abort` can stop)."""
 
     # -- generation --------------------------------------------------------------------------
@@ -203,6 +208,8 @@ class VLLMEngine:
         if sampling.top_p != 1.0 or sampling.top_k != -1:
             raise ValueError("vllm engine: top_p/top_k change the log-probs it reports; use "
                              "top_p=1.0, top_k=-1")
+        if self._asleep:  # a sleeping server holds every request until wake_up
+            self.wake()
         samples = None
         if external.is_sender(self.ps):
             requests = [(p, f"{self._prefix}-{next(self._ids)}") for p in prompts
@@ -244,14 +251,41 @@ class VLLMEngine:
         weights and frees the KV cache. vLLM's CPU worker does not free memory on sleep."""
         if self.client is not None and self.ps.rank == 0:
             self.client.sleep(level=1)
+        self._asleep = True
 
     def wake(self) -> None:
+        """`/wake_up` (also done by the next `generate` when the loop did not)."""
         if self.client is not None and self.ps.rank == 0:
             self.client.wake_up()
+        self._asleep = False
 
     def push_weights(self, module, version: int) -> None:
         self.transport.push(module, version)
         self.policy_version = version
+        if self.verify_sync_tol > 0:
+            self._verify_sync(module, version)
+
+    def _verify_sync(self, module, version: int) -> None:
+        """Engine vs actor log-probs of a fixed token sequence (rollout.vllm.verify_sync_tol)."""
+        from megatron_rl.models.forward import forward_logits
+
+        vocab = module.config.vocab_size if hasattr(module.config, "vocab_size") else None
+        vocab = vocab or module.embedding.word_embeddings.weight.shape[0]
+        ids = sync_check_ids(int(vocab))
+        with torch.no_grad():
+            logits = forward_logits(module, self.ps, torch.tensor([ids]))[0].float().cpu()
+        actor = torch.log_softmax(logits[:-1], -1).gather(
+            -1, torch.tensor(ids[1:])[:, None]).squeeze(-1)
+        if self.ps.rank != 0:
+            return
+        err = float((self.score(ids) - actor).abs().max())
+        self.last_sync_error = err
+        print(f"[vllm] weight sync v{version}: max |engine - actor| log-prob = {err:.2e}",
+              file=sys.stderr)
+        if err > self.verify_sync_tol:
+            raise EngineServerError(
+                f"vLLM weight sync v{version}: engine log-probs differ from the actor's by "
+                f"{err:.3e} > rollout.vllm.verify_sync_tol={self.verify_sync_tol}")
 
     def close(self) -> None:
         if self.server is not None:
@@ -268,6 +302,11 @@ class VLLMEngine:
         if state:
             self.rng.setstate(state["rng"])
             self.policy_version = state["policy_version"]
+
+
+def sync_check_ids(vocab_size: int, length: int = 32) -> list[int]:
+    """The fixed token sequence the sync check scores (ids >= 3 skip the special tokens)."""
+    return [(7 * i + 3) % (min(vocab_size, 99) - 3) + 3 for i in range(length)]
 
 
 def _dtype_flag(module) -> str:
@@ -324,7 +363,8 @@ def build(ctx) -> VLLMEngine:
         sync_dir = vc.sync_dir or os.path.join(ctx.cfg.trainer.output_dir, "weight_sync")
         transport = VLLMDiskTransport(client, ps, ctx.src, sync_dir)
     engine = VLLMEngine(client, ps, transport=transport, server=server, owned_dirs=owned,
-                        max_concurrency=vc.max_concurrency, seed=ctx.seed)
+                        max_concurrency=vc.max_concurrency, seed=ctx.seed,
+                        verify_sync_tol=vc.verify_sync_tol)
     if server is not None or not url_given:
         if ps.rank == 0:
             client.set_weight_version(0)
