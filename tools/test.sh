@@ -6,6 +6,9 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/tools/setup_env.sh"
 cd "$ROOT"
+# The vllm rollout engine's server runs from a virtualenv of its own (its pins differ from ours);
+# tests/e2e/test_vllm_engine.py drives a real one.
+bash "$ROOT/tools/setup_vllm.sh"
 echo "[test] ruff"
 ruff check megatron_rl tests tools examples
 echo "[test] pytest"
