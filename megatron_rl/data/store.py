@@ -33,7 +33,7 @@ thread writes what is queued, several steps in one batch when it has fallen behi
 `flush()` waits for it; a write error is raised by the next `append`, `flush` or `close`.
 
 One writer per store (global rank 0; the other ranks send it their samples): a second writer is
-refused through an flock on `writer.lock`, which the OS releases even on kill -9.
+refused through an flock on the store's folder, which the OS releases even on kill -9.
 
     store = RolloutStore.open(output_dir, resume_step=start, tokenizer=tok)
     store.append(step, samples, advantages, old_logprobs=batch.old_logprobs,
@@ -125,7 +125,7 @@ def _floats(rows: list) -> np.ndarray:
     if rows and all(hasattr(r, "detach") for r in rows):  # torch: one concatenation
         import torch
 
-        return torch.cat([r.detach().reshape(-1).float().cpu() for r in rows]).numpy()
+        return torch.cat([r.reshape(-1) for r in rows]).detach().float().cpu().numpy()
     parts = [np.asarray(r, dtype=np.float32).reshape(-1) for r in rows]
     return np.concatenate(parts) if parts else np.zeros(0, np.float32)
 
@@ -172,7 +172,7 @@ class RolloutStore:
     def open(cls, output_dir: str, resume_step: int | None = 0, *, tokenizer=None) -> RolloutStore:
         path = store_path(output_dir)
         os.makedirs(path, exist_ok=True)
-        fd = os.open(os.path.join(path, "writer.lock"), os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(path, os.O_RDONLY)  # the lock is an flock on the store's folder itself
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -409,8 +409,9 @@ class RolloutStore:
                 arr = self._group[path]
             else:
                 dtype = np.dtype(dtype)
-                arr = self._group.create_array(
+                arr = self._group.create_array(  # overwrite: an uncommitted array of a kill
                     path, shape=(start,), dtype=dtype, chunks=(CHUNK_BYTES // dtype.itemsize,),
+                    overwrite=True,
                     fill_value=0 if path.endswith("/ends") else absent_value(dtype),
                     # byte-shuffled zstd: ids and offsets are small ints, log-probs share exponents
                     compressors=BloscCodec(cname="zstd", clevel=5, shuffle="shuffle",
@@ -435,10 +436,16 @@ class RolloutStore:
 
     def _truncate(self, resume_step: int | None) -> None:
         """Keep the committed steps <= resume_step (every array cut at that step's end)."""
-        if resume_step is None or self.last_step is None or self.last_step <= resume_step:
+        keep = None
+        if self.last_step is not None and resume_step is not None and \
+                self.last_step > resume_step:
+            steps = self._array("steps/step")[: self._len["steps/step"]]
+            keep = int(np.searchsorted(steps, resume_step, side="right"))
+        if self.last_step is None or keep == 0:
+            self._reset()
             return
-        steps = self._array("steps/step")[: self._len["steps/step"]]
-        keep = int(np.searchsorted(steps, resume_step, side="right"))
+        if keep is None:
+            return
 
         def at(path, rows):  # the value closing row `rows` of an int array (0 for none)
             return int(self._array(path)[rows - 1]) if rows else 0
@@ -453,8 +460,16 @@ class RolloutStore:
                 ends = p[: -len("values")] + "ends"
                 new[p] = at(ends, new[ends])
         self._len, self._last_end = new, {}
-        self.last_step = int(steps[keep - 1]) if keep else None
+        self.last_step = int(steps[keep - 1])
         self._commit(self.kinds, self.last_step)
+
+    def _reset(self) -> None:
+        """No step kept: forget the old fields (and their kinds); arrays a killed writer left
+        uncommitted go too. The empty commit comes first, so a kill here loses nothing kept."""
+        self._len, self._last_end, self._arrays, self.kinds, self.last_step = {}, {}, {}, {}, None
+        self._commit({}, None)
+        for name in list(self._group.keys()):
+            del self._group[name]
 
 
 def _metadata_json(samples: list[Sample]) -> list[str]:

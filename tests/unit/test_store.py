@@ -158,6 +158,45 @@ def test_one_writer_and_bad_input(tmp_path):
         RolloutReader(str(tmp_path / "nothing"))
 
 
+def _abandon(store):
+    """Leave a store as a killed writer does: writer stopped, lock released, no close()."""
+    store._queue.put(None)
+    store._thread.join()
+    os.close(store._lock_fd)
+
+
+def test_uncommitted_new_fields_and_fresh_start(tmp_path, monkeypatch):
+    out, tok = str(tmp_path), GreekTokenizer()
+    store = RolloutStore.open(out, tokenizer=tok)  # a first batch written, never committed
+    monkeypatch.setattr(RolloutStore, "_commit", lambda *a: None)
+    store.append(1, *make_step(1)[:2], extra={"y": [1.5] * 6})
+    store.flush()
+    _abandon(store)
+    monkeypatch.undo()
+    assert len(RolloutReader(out)) == 0
+    with RolloutStore.open(out, resume_step=None, tokenizer=tok) as store:
+        store.append(1, *make_step(1)[:2], extra={"x": [1] * 6})
+        store.flush()
+        monkeypatch.setattr(RolloutStore, "_commit", lambda *a: None)
+        store.append(2, *make_step(2)[:2], extra={"x": [2] * 6, "z": ["new"] * 6})
+        store.flush()
+        _abandon(store)
+        monkeypatch.undo()
+        store._lock_fd = -1
+    with RolloutStore.open(out, resume_step=None, tokenizer=tok) as store:  # z: uncommitted
+        samples, adv, old = make_step(2)
+        store.append(2, samples, adv, old_logprobs=old, extra={"x": [2] * 6, "z": [True] * 6})
+    r = RolloutReader(out)
+    assert r.steps.tolist() == [1, 2] and r.kinds == {"x": "int", "z": "bool"}
+    assert_same(r.read_step(2), samples, adv, old, {"x": [2] * 6, "z": [True] * 6}, tok)
+    with RolloutStore.open(out, resume_step=0, tokenizer=tok) as store:  # a fresh run
+        samples, adv, old = make_step(5)
+        store.append(1, samples, adv, old_logprobs=old, extra={"x": ["now a str"] * 6})
+    r = RolloutReader(out)
+    assert r.steps.tolist() == [1] and r.kinds == {"x": "str"}
+    assert_same(r.read_step(1), samples, adv, old, {"x": ["now a str"] * 6}, tok)
+
+
 CHILD = r"""
 import sys, time
 sys.path.insert(0, {tests!r})
