@@ -52,6 +52,10 @@ def test_resume_step_purges_tensorboard(tmp_path):
     acc.Reload()
     events = acc.Scalars("reward/mean")
     assert [(e.step, e.value) for e in events] == [(1, 1), (2, 2), (3, 3), (4, 104), (5, 105)]
+    log_steps(tmp_path, [1, 2], 50.0, tensorboard=True, resume_step=0)  # a fresh start
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("reward/mean")] == [(1, 51), (2, 52)]
 
 
 def wandb_records(run_dir: str) -> list:
