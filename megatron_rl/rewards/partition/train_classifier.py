@@ -13,8 +13,8 @@ recall and F1 (class "same", P(same) > 0.5) are printed as one JSON line and sav
 `<out>/train_metrics.json`; `<out>` is an HF folder `serve-classifier` and
 `reward.diversity.classifier_path` load.
 
-Without `--init` the model is a tiny BERT built from a config (no download) with a WordPiece
-vocabulary trained on the data: what trains on 2 CPU cores in a minute or two.
+Without `--init` the model is a tiny BERT built from a config (no download) with a whole-word
+vocabulary of the data's most frequent words: what trains on 2 CPU cores in a minute or two.
 
 `make_pairs` draws pairs of responses to one prompt of our synthetic tasks (an arithmetic
 problem, or "a number between 10 and 99 whose digits sum to 9"), each response stating an
@@ -103,13 +103,24 @@ def read_pairs(path: str) -> list[dict]:
 def build_tiny(
     texts: list[str], *, vocab_size: int, hidden: int, layers: int, max_tokens_per_side: int
 ):
-    """A WordPiece tokenizer trained on `texts` and a randomly initialized tiny BERT pair
+    """A whole-word BERT tokenizer built from `texts` and a randomly initialized tiny BERT pair
     classifier sized to it (positions for `[CLS] a [SEP] b [SEP]`)."""
+    from collections import Counter
+
     from tokenizers import BertWordPieceTokenizer
+    from tokenizers.pre_tokenizers import BertPreTokenizer
     from transformers import BertConfig, BertForSequenceClassification, BertTokenizerFast
 
-    wp = BertWordPieceTokenizer(lowercase=True)
-    wp.train_from_iterator(texts, vocab_size=vocab_size, min_frequency=1, show_progress=False)
+    # Whole-word vocabulary, most frequent first, ties by spelling: deterministic (the trained
+    # WordPiece of `tokenizers` orders tied pieces differently from run to run); words outside
+    # it become [UNK].
+    split = BertPreTokenizer().pre_tokenize_str
+    counts = Counter(w for t in texts for w, _ in split(t.lower()))
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    words = sorted(counts, key=lambda w: (-counts[w], w))[: max(0, vocab_size - len(specials))]
+    wp = BertWordPieceTokenizer(
+        vocab={w: i for i, w in enumerate(specials + words)}, lowercase=True
+    )
     tokenizer = BertTokenizerFast(
         tokenizer_object=wp._tokenizer,
         unk_token="[UNK]",
@@ -272,6 +283,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--hidden", type=int, default=64, help="tiny model only")
     p.add_argument("--layers", type=int, default=1, help="tiny model only")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     return p
 
 
@@ -295,6 +307,10 @@ def main(argv: list[str]) -> int:
         raise ValueError(
             "train-classifier: --vocab-size/--hidden/--layers size the tiny model; not with --init"
         )
+    if args.threads > 0:
+        import torch
+
+        torch.set_num_threads(args.threads)
     rows = read_pairs(args.data)
     if args.val:
         train_rows, val_rows = rows, read_pairs(args.val)
