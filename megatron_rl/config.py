@@ -88,6 +88,13 @@ class ModelConfig:
     recompute: Literal["none", "selective", "full"] = "none"
     """Activation recomputation."""
 
+    moe_experts: Literal["auto", "grouped", "sequential"] = "auto"
+    """MoE experts module: grouped (all local experts as two grouped GEMMs, torch._grouped_mm;
+    models/moe_experts.py) | sequential (Megatron's SequentialMLP, one MLP per expert) | auto
+    (grouped where torch's fused grouped kernel runs: CUDA compute capability 9.x/10.x with
+    bf16; sequential elsewhere, e.g. on CPU, where torch's grouped mm is a per-expert loop).
+    Dense models ignore it; checkpoints load into either."""
+
     def __post_init__(self):
         _check_literals(self, "model")
 

@@ -2,7 +2,9 @@
 
 Megatron-Core assumes CUDA in about ten places. On a machine without a GPU `apply_patches()`
 redirects each of them to the CPU, without editing Megatron's files; none of those is applied
-when CUDA is available. One shim (10) covers a missing Transformer-Engine and applies on GPU too. Each patch names the Megatron function or module it covers; all were
+when CUDA is available. Two shims apply on GPU too: 10 covers a missing Transformer-Engine and
+12 removes a copy that does nothing (numbers unchanged). Each patch names the Megatron function
+or module it covers; all were
 written for megatron-core 0.16.1 (`PINNED_MEGATRON_VERSION`), and `check_patch_targets()` (run by
 the tests) fails loudly when a version bump moves or removes a target.
 
@@ -18,6 +20,7 @@ The list (docs/design.md, "Megatron-Core on CPU"):
   9. no-argument Tensor.type() reports torch.cuda.*Tensor (optimizer type checks)
  10. MoE without Transformer-Engine: moe_utils.te_general_gemm = None (on GPU too)
  11. sequence-parallel local norm: handled where the norm is built (models/), not here.
+ 12. token_dispatcher.sort_chunks_by_idxs with the identity order -> its inputs (on GPU too)
 """
 
 from __future__ import annotations
@@ -276,8 +279,37 @@ def _patch_missing_te() -> None:
         moe_utils.te_general_gemm = None
 
 
+def _patch_identity_chunk_sort() -> None:
+    """12. megatron-core 0.16.x alltoall dispatcher at EP x TP = 1 with several local experts.
+
+    `dispatch_postprocess` / `combine_preprocess` reorder the expert chunks from (rank, expert)
+    to (expert, rank) order with `sort_chunks_by_idxs` (split into E chunks + cat), also when
+    there is a single rank, where the order is the identity: a full copy of every routed token
+    (top-k x tokens x hidden) per layer, in each direction and again in backward. With the
+    identity order the inputs are returned as they are (same values, no copy). The fused (TE)
+    path and every other order run Megatron's function.
+    """
+    from megatron.core.transformer.moe import token_dispatcher
+
+    original = token_dispatcher.sort_chunks_by_idxs
+    if getattr(original, "_megatron_rl_identity_skip", False):
+        return
+
+    @functools.wraps(original)
+    def sort_chunks_by_idxs(input, split_sizes, sorted_idxs, probs=None, fused=False):
+        if not fused and sorted_idxs.device.type == "cpu" and torch.equal(
+            sorted_idxs, torch.arange(sorted_idxs.numel(), dtype=sorted_idxs.dtype)
+        ):
+            return input, probs
+        return original(input, split_sizes, sorted_idxs, probs=probs, fused=fused)
+
+    sort_chunks_by_idxs._megatron_rl_identity_skip = True
+    token_dispatcher.sort_chunks_by_idxs = sort_chunks_by_idxs
+
+
 def apply_patches() -> bool:
-    """Apply every shim once: the TE-absence fix always, the CPU shims when there is no CUDA.
+    """Apply every shim once: the TE-absence fix and the identity-sort skip always, the CPU
+    shims when there is no CUDA.
 
     Returns True if the CPU shims were applied.
     """
@@ -285,6 +317,7 @@ def apply_patches() -> bool:
     if _applied:
         return not torch.cuda.is_available()
     _patch_missing_te()
+    _patch_identity_chunk_sort()
     if not torch.cuda.is_available():
         _patch_torch_cuda()
         _patch_tensor_methods()
@@ -305,7 +338,10 @@ def check_patch_targets() -> list[str]:
         "megatron.core.transformer.utils": ["get_default_causal_mask"],
         "megatron.core.fusions.fused_softmax": ["get_default_causal_mask"],
         "megatron.core.transformer.moe.moe_utils": ["maybe_move_tensor_to_cpu"],
-        "megatron.core.transformer.moe.token_dispatcher": ["maybe_move_tensor_to_cpu"],
+        "megatron.core.transformer.moe.token_dispatcher": [
+            "maybe_move_tensor_to_cpu",
+            "sort_chunks_by_idxs",
+        ],
     }
     for module, attrs in targets.items():
         mod = importlib.import_module(module)

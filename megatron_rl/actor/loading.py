@@ -86,7 +86,8 @@ def build_module(src: ModelSource, ps: ParallelState, cfg: ModelConfig, packed: 
         backend = "flex_sdpa" if backend == "auto" else backend
     model = build_model(
         src.hf_config, ps, dtype=resolve_dtype(cfg.dtype),
-        attention_backend=backend, recompute=cfg.recompute, **kwargs,
+        attention_backend=backend, recompute=cfg.recompute, moe_experts=cfg.moe_experts,
+        **kwargs,
     )
     if src.weights_dir is not None:
         load_hf_weights(model, src.weights_dir, ps, src.hf_config)

@@ -9,7 +9,8 @@
 and recomputation; `layer_specs()` builds the per-layer ModuleSpecs with the chosen core
 attention (models.attention) and norms that work under sequence parallelism (models.norm).
 Sequence parallelism is switched on for MoE models with TP > 1 (Megatron requires it to train
-them); inputs then need a sequence length divisible by TP.
+them); inputs then need a sequence length divisible by TP. MoE experts are Megatron's
+SequentialMLP or our grouped-GEMM `GroupedExperts` (`moe_experts`, models.moe_experts).
 Kept in one file so that a megatron-core upgrade (0.19 deprecates GPTModel) touches one place.
 """
 
@@ -29,6 +30,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_rl.models import get_family
 from megatron_rl.models.attention import CORE_ATTENTION, resolve_backend
 from megatron_rl.models.family import require, rope_theta
+from megatron_rl.models.moe_experts import experts_spec, resolve_moe_experts
 from megatron_rl.models.norm import TorchNorm
 from megatron_rl.parallel import ParallelState
 
@@ -125,8 +127,11 @@ def layer_specs(
     ps: ParallelState,
     attention_backend: str = "auto",
     attn_mask_type: AttnMaskType = AttnMaskType.causal,
+    moe_experts: str = "sequential",
 ) -> TransformerBlockSubmodules:
-    """Per-layer specs of this pipeline stage (dense or MoE per `moe_layer_freq`) + final norm."""
+    """Per-layer specs of this pipeline stage (dense or MoE per `moe_layer_freq`) + final norm.
+
+    `moe_experts` (resolved: "grouped" | "sequential") picks the MoE layers' experts module."""
     backend = resolve_backend(attention_backend)
     moe = config.num_moe_experts is not None
 
@@ -148,6 +153,8 @@ def layer_specs(
                 sub.self_attention.submodules.k_layernorm = qk
             spec = _with_core_attention(spec, CORE_ATTENTION[backend]())
         spec.submodules.self_attention.params = {"attn_mask_type": attn_mask_type}
+        if num_experts is not None and moe_experts != "sequential":
+            spec.submodules.mlp.submodules.experts = experts_spec(moe_experts)
         return spec
 
     dense_spec = one(None)
@@ -177,18 +184,23 @@ def build_model(
     recompute: str = "none",
     attn_mask_type: AttnMaskType = AttnMaskType.causal,
     parallel_output: bool = True,
+    moe_experts: str = "auto",
     **config_overrides,
 ) -> GPTModel:
     """The GPTModel (this PP stage) of an HF config dict, on `ps.device`, weights random.
 
     `parallel_output=True` leaves the logits split over the vocabulary across TP ranks (for
     vocab-parallel cross entropy); False gathers them. `config_overrides` go to
-    TransformerConfig (e.g. moe_router_load_balancing_type="aux_loss").
+    TransformerConfig (e.g. moe_router_load_balancing_type="aux_loss"). `moe_experts`:
+    `model.moe_experts` (auto | grouped | sequential; dense models ignore it).
     """
     config = transformer_config(hf_config, ps, dtype, recompute, **config_overrides)
+    experts = resolve_moe_experts(moe_experts, ps.device, dtype)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_specs(config, ps, attention_backend, attn_mask_type),
+        transformer_layer_spec=layer_specs(
+            config, ps, attention_backend, attn_mask_type, moe_experts=experts
+        ),
         vocab_size=require(hf_config, "vocab_size"),
         max_sequence_length=hf_config.get("max_position_embeddings", 4096),
         pre_process=ps.is_first_stage,

@@ -18,6 +18,8 @@ how they are fused and split, which depends only on Megatron's layout:
   the checkpoint (`_CHECKPOINT_BUFFERS`: the router's expert-score correction bias).
 Pipeline stages hold layers `layer_number - 1` (global), EP ranks hold experts
 `local_expert_indices`; names are translated to global numbering before the family lookup.
+Grouped experts (models.moe_experts) stack the local experts in one parameter per linear; each
+row is read and written as that expert's `local_experts.{e}.linear_fc*.weight` (a view).
 Loading opens each safetensors file with `safe_open` and reads slices (`get_slice`), so a rank
 never materializes tensors it does not hold. Export gathers TP shards within the TP group, then
 one layer at a time to global rank 0 (`gather_object`), so rank 0 holds at most one layer.
@@ -105,6 +107,10 @@ def _params(model, hf_config: dict) -> list[_Param]:
         if m is not None:
             layer = model.decoder.layers[int(m.group(1))]
             suffix = _TE_ALIASES.get(m.group(2), m.group(2))
+            stacked = getattr(getattr(layer.mlp, "experts", None), "stacked_params", {})
+            if suffix.startswith("mlp.experts.") and suffix[12:] in stacked:
+                out += _stacked_expert_params(layer, local, param, stacked[suffix[12:]], gated)
+                continue
             e = _EXPERT_RE.match(suffix)
             if e is not None:
                 expert = True
@@ -114,6 +120,17 @@ def _params(model, hf_config: dict) -> list[_Param]:
         if name == "output_layer.weight" and tied and model.pre_process:
             continue  # the same tensor as the embedding on this stage
         out.append(_Param(local, name, _kind(name, gated), expert, param))
+    return out
+
+
+def _stacked_expert_params(layer, local: str, param, per_expert_suffix: str, gated: bool):
+    """One _Param per local expert: row e of a stacked [E_local, ...] expert parameter."""
+    out = []
+    for e, row in enumerate(param.detach().unbind(0)):  # views: loading writes the parameter
+        global_e = layer.mlp.local_expert_indices[e]
+        name = (f"decoder.layers.{layer.layer_number - 1}.mlp.experts.local_experts."
+                f"{global_e}.{per_expert_suffix}")
+        out.append(_Param(local, name, _kind(name, gated), True, row))
     return out
 
 
