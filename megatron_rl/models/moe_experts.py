@@ -146,6 +146,9 @@ class GroupedExperts(MegatronModule):
                              f"by the expert tensor-parallel size {tp}")
         fc1_out = (2 if config.gated_linear_unit else 1) * ffn // tp
         _check_alignment(hidden, ffn // tp, config.params_dtype)
+        if num_local_experts >= 1024:  # torch's CUTLASS grouped GEMM takes < 1024 groups
+            raise ValueError(f"grouped experts: {num_local_experts} local experts (>= 1024); "
+                             "raise parallel.expert_model_parallel_size")
         device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
         kw = dict(dtype=config.params_dtype, device=device)
         self.weight1 = torch.nn.Parameter(torch.empty(num_local_experts, fc1_out, hidden, **kw))
@@ -175,6 +178,12 @@ class GroupedExperts(MegatronModule):
             # fire); torch's grouped mm rejects an empty contraction in the weight gradient.
             h = activation(self.config, x @ self.weight1[0].t(), probs)
             return h @ self.weight2[0].t(), None
+        if isinstance(tokens_per_expert, torch.Tensor) and tokens_per_expert.device.type == "cpu":
+            # Free to check on the host (Megatron's dispatcher hands host counts): grouped mm
+            # leaves rows past the last offset unwritten, so the counts must cover every row.
+            if int(tokens_per_expert.sum()) != x.shape[0]:
+                raise ValueError(f"grouped experts: token counts sum to "
+                                 f"{int(tokens_per_expert.sum())}, but {x.shape[0]} rows came")
         offsets = _offsets(tokens_per_expert, x.device)
         h = activation(self.config, grouped_linear(x, self.weight1, offsets), probs)
         return grouped_linear(h, self.weight2, offsets), None

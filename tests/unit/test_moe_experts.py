@@ -306,3 +306,10 @@ def test_identity_chunk_sort_is_skipped_and_other_orders_still_sort(single_rank)
     want = moe_utils.sort_chunks_by_idxs(x, sizes, order, probs=probs)
     got = sort(x, sizes, order, probs=probs)
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+def test_counts_that_miss_rows_are_refused(single_rank):
+    cfg, _, grp = _experts_pair(single_rank)
+    x, _, probs = _routed_inputs(cfg, [2, 2, 2, 2, 2, 2], "cpu", torch.float32)
+    with pytest.raises(ValueError, match="token counts sum to 10, but 12 rows"):
+        grp(x, torch.tensor([2, 2, 2, 2, 2, 0]), probs)
