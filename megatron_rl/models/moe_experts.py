@@ -119,6 +119,9 @@ def reference_experts(config, x, tokens_per_expert, probs, weight1, weight2) -> 
     counts = [int(c) for c in torch.as_tensor(tokens_per_expert).tolist()]
     outs = []
     for e, (xs, ps) in enumerate(zip(x.split(counts), probs.split(counts), strict=True)):
+        if xs.shape[0] == 0:  # (keeps empty shapes away from the compiled fused activation)
+            outs.append(x.new_zeros(0, weight2.shape[1]))
+            continue
         h = activation(config, F.linear(xs, weight1[e]), ps)
         outs.append(F.linear(h, weight2[e]))
     return torch.cat(outs) if outs else x.new_zeros(0, weight2.shape[1])
