@@ -1,6 +1,6 @@
 """GRPO vs DARLING from the same SFT start on a task with many correct answers (issue 13).
 
-    python examples/darling/run.py [--out runs/darling] [--steps 60] [--eval-every 10]
+    python examples/darling/run.py [--out runs/darling] [--steps 120] [--eval-every 20]
 
 1. writes the digit-sum task (task.py): "two-digit number whose digits sum to S", S = 5..13;
 2. SFT (sft.yaml) from a biased teacher (mostly the smallest valid number; for S = 12, 13
@@ -72,8 +72,8 @@ def plot(curves: dict, path: str) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="runs/darling")
-    p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--eval-every", type=int, default=10)
+    p.add_argument("--steps", type=int, default=120)
+    p.add_argument("--eval-every", type=int, default=20)
     p.add_argument("--eval-prompts", type=int, default=400)
     p.add_argument("--seed", type=int, default=1)
     args = p.parse_args(argv)
