@@ -37,6 +37,8 @@ SUBCOMMANDS = {
     "check-parity": "megatron_rl.parity:main",
     "plan": "megatron_rl.plan:main",
     "config": "megatron_rl.cli:print_default_recipe",
+    "serve-classifier": "megatron_rl.servers.classifier:main",
+    "train-classifier": "megatron_rl.rewards.partition.train_classifier:main",
 }
 
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from megatron_rl.config import RewardConfig
+from megatron_rl.config import DiversityConfig, RewardConfig
 from megatron_rl.data.tasks import build_task
 from megatron_rl.rewards import (
     build_reward,
@@ -131,7 +131,7 @@ def test_group_reward_gets_whole_groups():
 def test_darling_multiplicative_fusion():
     # G = 4, gt 19: classes {19, 19}, {18}, {20}; Div(19) = (4 - 2) / 3 = 2/3
     # r = correctness * Div': [2/3, 2/3, 0, 0]
-    cfg = RewardConfig(diversity="multiplicative")
+    cfg = RewardConfig(diversity=DiversityConfig(mode="multiplicative"))
     fn = build_reward(cfg, "synthetic_arithmetic")
     samples = [sample(t, gt="19") for t in ("19", "19", "18", "20")]
     metrics = compute_rewards(samples, fn, TOK, cfg)
