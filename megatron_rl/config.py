@@ -19,6 +19,7 @@ together.
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from dataclasses import dataclass, field
 from typing import Literal
@@ -557,13 +558,22 @@ class RewardConfig:
     """DAPO overlong shaping factor lambda."""
 
     num_workers: int = 8
-    """Threads scoring responses in parallel (math-verify is run off the main thread)."""
+    """Threads scoring responses in parallel (math-verify runs in this many worker processes)."""
+
+    math_verify_timeout_s: float = 5.0
+    """Seconds math-verify may spend on one response (in its worker process); a response that
+    takes longer scores as incorrect and is counted in `reward/timeouts`."""
+
 
     diversity: DiversityConfig = field(default_factory=DiversityConfig)
     """DARLING diversity-aware reward."""
 
     def __post_init__(self):
         _check(self.num_workers >= 1, "reward.num_workers", "must be >= 1")
+        for name in ("correct_reward", "incorrect_reward", "overlong_penalty_factor"):
+            _check(math.isfinite(getattr(self, name)), f"reward.{name}", "must be a finite number")
+        _check(self.overlong_penalty_factor >= 0, "reward.overlong_penalty_factor", "must be >= 0")
+        _check(self.math_verify_timeout_s > 0, "reward.math_verify_timeout_s", "must be > 0")
         _check(self.overlong_buffer_len >= 0, "reward.overlong_buffer_len", "must be >= 0")
 
 
@@ -623,6 +633,14 @@ class AlgorithmConfig:
                "algorithm.norm_adv_by_std",
                "drgrpo is grpo without the std normalization; use algorithm.name=grpo")
         _check(self.kl_coef >= 0, "algorithm.kl_coef", "must be >= 0")
+        # The PPO ratio is clipped to [1 - clip_ratio_low, 1 + clip_ratio_high]: both are
+        # distances from 1 (verl's convention), not the bounds themselves.
+        _check(0 <= self.clip_ratio_low < 1, "algorithm.clip_ratio_low",
+               f"got {self.clip_ratio_low}; it is epsilon_low, the distance below 1 (the ratio is "
+               "clipped to [1 - clip_ratio_low, 1 + clip_ratio_high]); must be in [0, 1)")
+        _check(self.clip_ratio_high >= 0, "algorithm.clip_ratio_high",
+               f"got {self.clip_ratio_high}; it is epsilon_high, the distance above 1; must be >= 0")
+        _check(math.isfinite(self.entropy_coef), "algorithm.entropy_coef", "must be finite")
         _check(self.max_resample_rounds >= 0, "algorithm.max_resample_rounds", "must be >= 0")
 
 
@@ -663,7 +681,15 @@ class OptimizerConfig:
 
     def __post_init__(self):
         _check_literals(self, "optimizer")
-        _check(self.lr >= 0, "optimizer.lr", "must be >= 0")
+        _check(math.isfinite(self.lr) and self.lr >= 0, "optimizer.lr", "must be >= 0")
+        _check(0 <= self.min_lr <= self.lr, "optimizer.min_lr",
+               f"must be in [0, optimizer.lr={self.lr}]")
+        _check(self.lr_warmup_steps >= 0, "optimizer.lr_warmup_steps", "must be >= 0")
+        _check(self.weight_decay >= 0, "optimizer.weight_decay", "must be >= 0")
+        _check(0 <= self.adam_beta1 < 1, "optimizer.adam_beta1", "must be in [0, 1)")
+        _check(0 <= self.adam_beta2 < 1, "optimizer.adam_beta2", "must be in [0, 1)")
+        _check(self.adam_eps > 0, "optimizer.adam_eps", "must be > 0")
+        _check(self.clip_grad >= 0, "optimizer.clip_grad", "must be >= 0 (0 disables clipping)")
 
 
 # --------------------------------------------------------------------------------------------
@@ -793,6 +819,25 @@ class RLConfig:
     """Optimizer and LR schedule."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """The loop: steps, batching, logging, checkpoints."""
+
+    def __post_init__(self):
+        # Cross-section checks: settings each valid alone that cannot train together.
+        a, ro, tr = self.algorithm, self.rollout, self.trainer
+        _check(ro.n >= 2, "rollout.n",
+               f"got {ro.n}; {a.name}'s group baseline needs >= 2 samples per prompt (with 1 "
+               "every advantage is 0 and nothing is learned)")
+        _check(ro.temperature > 0 or ro.n == 1, "rollout.temperature",
+               f"0 (greedy) makes the rollout.n={ro.n} samples of a prompt identical: every "
+               "advantage is 0; use a temperature > 0")
+        samples = self.data.train_batch_size * ro.n
+        _check(tr.mini_batches_per_step <= samples, "trainer.mini_batches_per_step",
+               f"{tr.mini_batches_per_step} mini-batches cannot split one step's {samples} "
+               f"samples (data.train_batch_size x rollout.n)")
+        _check(self.reward.overlong_buffer_len <= ro.max_new_tokens, "reward.overlong_buffer_len",
+               f"{self.reward.overlong_buffer_len} exceeds rollout.max_new_tokens="
+               f"{ro.max_new_tokens}")
+        _check(not ro.darts.enabled or ro.darts.long_end <= ro.n, "rollout.darts.long_end",
+               f"{ro.darts.long_end} exceeds rollout.n={ro.n}")
 
 
 @dataclass(kw_only=True)

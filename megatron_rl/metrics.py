@@ -18,13 +18,16 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
+from megatron_rl.collectives import group_device
+
 
 def dp_mean(values: dict[str, float], group=None) -> dict[str, float]:
     """Average a flat dict of floats over a process group (identity without distributed)."""
     if not values or not dist.is_initialized() or dist.get_world_size(group) == 1:
         return values
     keys = sorted(values)
-    t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64)
+    t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64,
+                     device=group_device(group))  # NCCL reduces CUDA tensors only
     dist.all_reduce(t, group=group)
     t /= dist.get_world_size(group)
     return dict(zip(keys, t.tolist()))

@@ -54,6 +54,35 @@ def _valid_keys(schema_cls) -> tuple[set[str], set[str]]:
     return keys, free
 
 
+def _list_fields(schema_cls) -> list[str]:
+    """Dotted paths of the `list[...]` fields of a config dataclass."""
+    out = []
+
+    def walk(cls, prefix):
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            t = hints[f.name]
+            if dataclasses.is_dataclass(t):
+                walk(t, prefix + f.name + ".")
+            elif t is list or typing.get_origin(t) is list:
+                out.append(prefix + f.name)
+
+    walk(schema_cls, "")
+    return out
+
+
+def _single_to_list(schema_cls, layer) -> None:
+    """`data.train_files=/x.parquet` (one value where a list is expected, as verl users write
+    it) -> `[/x.parquet]`, in place."""
+    from omegaconf import ListConfig, OmegaConf
+
+    for path in _list_fields(schema_cls):
+        value = OmegaConf.select(layer, path, default=None)
+        if value is not None and not isinstance(value, (ListConfig, list, dict)) and \
+                not OmegaConf.is_dict(value):
+            OmegaConf.update(layer, path, [value], merge=False)
+
+
 def check_keys(schema_cls, keys: list[str], source: str) -> None:
     """Raise ValueError naming the first unknown key and the nearest valid one."""
     valid, free = _valid_keys(schema_cls)
@@ -70,6 +99,7 @@ def load_config(schema_cls, recipe: str | None, overrides: list[str],
     """Build a config dataclass from an optional YAML recipe plus dotted `key=value` overrides.
     `defaults(layers)` may return a dotted dict placed under the recipe (e.g. the algorithm's)."""
     from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
 
     base = OmegaConf.structured(schema_cls)
     layers = []
@@ -93,8 +123,14 @@ def load_config(schema_cls, recipe: str | None, overrides: list[str],
         if implied:
             layers.insert(0, OmegaConf.from_dotlist([f"{k}={json.dumps(v)}"
                                                       for k, v in implied.items()]))
-    merged = OmegaConf.merge(base, *layers)
-    return OmegaConf.to_object(merged)
+    for layer in layers:
+        _single_to_list(schema_cls, layer)
+    try:
+        merged = OmegaConf.merge(base, *layers)
+        return OmegaConf.to_object(merged)
+    except OmegaConfBaseException as e:  # a wrong type: name the field and what it got
+        key = getattr(e, "full_key", None) or "?"
+        raise ValueError(f"config field `{key}`: {str(e).splitlines()[0]}") from None
 
 
 def split_config_args(argv: list[str]) -> tuple[str | None, list[str], list[str]]:

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_rl.actor.guards import guarded_step
 from megatron_rl.actor.logprobs import vocab_parallel_logprobs
 from megatron_rl.actor.microbatch import plan_micro_batches
 from megatron_rl.config import OptimizerConfig
@@ -215,7 +216,7 @@ class Policy:
             return loss * scale, metrics
 
         outputs = self._run(mbs, forward_only=False, loss_closure=closure)
-        update_ok, grad_norm, _ = self.optimizer.step()
+        update_ok, grad_norm = guarded_step(self.optimizer, outputs)  # skips a non-finite update
         if self.scheduler is not None and update_ok:
             self.scheduler.step(increment=1)
         metrics: dict[str, float] = {}

@@ -120,12 +120,15 @@ def aggregate(
     multiply the loss by the DP size so the sum, not the mean, is what is differentiated.)
     """
     mask = mask_BT.to(loss_BT.dtype)
+    # `where`, not `loss * mask`: a NaN / inf in a padded position (0 * inf = NaN) must not
+    # reach the loss or its gradient. Equal to the product wherever the loss is finite.
+    masked_BT = torch.where(mask_BT.bool(), loss_BT, loss_BT.new_zeros(()))
     if mode == "token-mean":
         denom = mask.sum().clamp(min=1) if global_num_tokens is None else global_num_tokens
-        return (loss_BT * mask).sum() / denom
+        return masked_BT.sum() / denom
     if mode not in LOSS_AGG_MODES:
         raise ValueError(f"algorithm.loss_agg_mode: unknown {mode!r}; known: {LOSS_AGG_MODES}")
-    seq_sum_B = (loss_BT * mask).sum(-1)
+    seq_sum_B = masked_BT.sum(-1)
     if mode == "seq-mean-token-mean":
         seq_B = seq_sum_B / mask.sum(-1).clamp(min=1)
     elif mode == "seq-mean-token-sum-norm":
@@ -218,7 +221,7 @@ def policy_loss(
         n = mask_BT.sum().clamp(min=1)
 
         def mean(x_BT):
-            return float((x_BT.float() * mask_BT).sum() / n)
+            return float(torch.where(mask_BT, x_BT.float(), 0.0).sum() / n)
 
         neg_log_ratio = -flags["log_ratio"]
         metrics = {
@@ -258,7 +261,8 @@ def make_loss_fn(batch, global_tokens: float, global_seqs: float, *, cfg, norm_l
                 old_logprobs_BT=pad["old_logprobs_BT"].to(device),
                 advantages_BT=pad["advantages_BT"].to(device),
                 mask_BT=pad["mask_BT"].to(device),
-                ref_logprobs_BT=pad.get("ref_logprobs_BT"),
+                ref_logprobs_BT=pad["ref_logprobs_BT"].to(device)
+                if pad.get("ref_logprobs_BT") is not None else None,
                 entropy_BT=torch.nn.utils.rnn.pad_sequence(entropy, batch_first=True)
                 if entropy[0] is not None else None,
             ),

@@ -4,23 +4,39 @@ Each data-parallel rank scores its shard of the first `num_examples` validation 
 the evaluation sampling (greedy by default, `rollout.val_temperature`); the counts are summed
 over DP ranks, so the figure is the same on every rank and independent of the layout.
 pass@1 is the mean of the reward function's `correct` term (reward > 0 when it has none).
+
+Evaluating never shifts training: the engine's sampling state is put back after the
+evaluation, and a sampled evaluation (`rollout.val_temperature > 0`) draws from its own seed
+(`sampling.seed`, the same for every evaluation of a run), so a resumed run that skips an
+evaluation draws the same training samples as one that ran it.
 """
 
 from __future__ import annotations
 
-import torch
-import torch.distributed as dist
-
+from megatron_rl.collectives import all_reduce_floats
 from megatron_rl.rewards import compute_rewards
 from megatron_rl.types import make_groups
 
 
+def eval_seed(seed: int, dp_rank: int) -> int:
+    """The sampling seed of every evaluation of a run (trainer.seed) on one DP rank: apart from
+    the engine's training stream (seeded `seed * 1000 + dp_rank`)."""
+    return (1 << 40) + seed * 1000 + dp_rank
+
+
 def evaluate(engine, val, reward_fn, tokenizer, reward_cfg, sampling, num_examples: int, ps) -> dict:
-    n = min(num_examples, len(val.prompts) * val.dp_size)
+    n = min(num_examples, len(val.prompts))  # every rank holds the whole held-out set
     mine = [p for i, p in enumerate(val.prompts[:n]) if i % ps.dp_size == ps.dp_rank]
     correct = total = reward_sum = length_sum = 0.0
+    if n == 0:
+        raise ValueError("the held-out set is empty (data.val_files / data.num_val_examples)")
     if mine:
-        samples = engine.generate([p.prompt_ids for p in mine], 1, sampling)
+        saved = engine.state_dict()  # the training stream, put back below
+        try:
+            samples = engine.generate([p.prompt_ids for p in mine], 1, sampling)
+        finally:
+            if saved:
+                engine.load_state_dict(saved)
         groups = make_groups(mine, samples, 1)
         flat = [s for g in groups for s in g.samples]
         compute_rewards(flat, reward_fn, tokenizer, reward_cfg, max_new_tokens=sampling.max_new_tokens)
@@ -30,10 +46,7 @@ def evaluate(engine, val, reward_fn, tokenizer, reward_cfg, sampling, num_exampl
             reward_sum += s.reward
             length_sum += s.response_length
             total += 1
-    t = torch.tensor([correct, total, reward_sum, length_sum], dtype=torch.float64)
-    if ps.dp_size > 1:
-        dist.all_reduce(t, group=ps.pgs.dp)
-    correct, total, reward_sum, length_sum = t.tolist()
-    total = max(total, 1.0)
+    correct, total, reward_sum, length_sum = all_reduce_floats(
+        [correct, total, reward_sum, length_sum], ps.pgs.dp if ps.dp_size > 1 else None)
     return {"pass_at_1": correct / total, "reward": reward_sum / total,
             "response_length": length_sum / total, "num_examples": total}

@@ -38,10 +38,16 @@ import os
 import statistics
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from math import isfinite  # (`math` here is the rewards.math submodule)
 from typing import TYPE_CHECKING
 
 from megatron_rl.rewards import diversity
-from megatron_rl.rewards.math import exact_match_score, math_verify_score, reasoning_gym_score
+from megatron_rl.rewards.math import (
+    MathVerifyPool,
+    exact_match_score,
+    math_verify_score,
+    reasoning_gym_score,
+)
 
 if TYPE_CHECKING:
     from megatron_rl.config import RewardConfig
@@ -107,8 +113,13 @@ def _scaled(verifier: Callable, correct: float, incorrect: float) -> RewardFn:
     """A verifier's correctness s in [0, 1] -> reward incorrect + s * (correct - incorrect)."""
 
     def reward(response, ground_truth, *, prompt, sample):
-        s = float(verifier(response, ground_truth, prompt=prompt, sample=sample))
-        return {"score": incorrect + s * (correct - incorrect), "correct": s}
+        out = verifier(response, ground_truth, prompt=prompt, sample=sample)
+        extra = {}
+        if isinstance(out, dict):  # MathVerifyPool: correctness + its timeout / error counts
+            extra = {k: v for k, v in out.items() if k != "correct"}
+            out = out["correct"]
+        s = float(out)
+        return {"score": incorrect + s * (correct - incorrect), "correct": s, **extra}
 
     reward.__name__ = getattr(verifier, "__name__", "reward")
     return reward
@@ -186,16 +197,24 @@ def _darling(quality_fn: RewardFn, cfg: RewardConfig) -> RewardFn:
     )
 
 
+def reward_name(cfg: RewardConfig, task_name: str) -> str:
+    """`reward.name` with `auto` resolved: the task's own scorer (exact_match for
+    synthetic_arithmetic, reasoning_gym for reasoning-gym tasks), math-verify for files."""
+    if cfg.name != "auto":
+        return cfg.name
+    family = task_name.partition(":")[0]
+    return {"synthetic_arithmetic": "exact_match", "reasoning_gym": "reasoning_gym"}.get(
+        family, "math")
+
+
 def build_reward(cfg: RewardConfig, task_name: str) -> RewardFn:
     """The reward function `reward.name` selects. `task_name` is data.task, or "" when the
     prompts come from files (then `auto` means math-verify)."""
-    name = cfg.name
-    if name == "auto":
-        family = task_name.partition(":")[0]
-        name = {"synthetic_arithmetic": "exact_match", "reasoning_gym": "reasoning_gym"}.get(
-            family, "math"
-        )
-    if name in REWARDS:
+    name = reward_name(cfg, task_name)
+    if name == "math":  # math-verify in worker processes, each answer within a timeout
+        pool = MathVerifyPool(cfg.num_workers, cfg.math_verify_timeout_s)
+        fn = _scaled(pool, cfg.correct_reward, cfg.incorrect_reward)
+    elif name in REWARDS:
         fn = _scaled(REWARDS[name], cfg.correct_reward, cfg.incorrect_reward)
     elif ":" in name:
         fn = load_by_path(name)
@@ -212,14 +231,27 @@ def overlong_penalty(length: int, max_new_tokens: int, buffer_len: int, factor: 
     return min(-(length - (max_new_tokens - buffer_len)) / buffer_len * factor, 0.0)
 
 
-def _as_dict(result, fn) -> dict:
+def _as_dict(result, fn, sample: Sample | None = None) -> dict:
+    """A reward function's result as {"score": float, ...}; anything but finite numbers is an
+    error naming the function, the sample and the value."""
+    name = getattr(fn, "__name__", repr(fn))
+    where = "" if sample is None else f" for sample {sample.sample_id!r} (prompt {sample.group_id!r})"
     if isinstance(result, dict):
         if "score" not in result:
-            raise ValueError(
-                f"reward function {getattr(fn, '__name__', fn)!r} returned a dict without `score`"
-            )
-        return result
-    return {"score": float(result)}
+            raise ValueError(f"reward function `{name}` returned a dict without `score`{where}")
+        out = dict(result)
+    else:
+        out = {"score": result}
+    for key, value in out.items():
+        if value is None or isinstance(value, (str, bytes)) or not hasattr(value, "__float__"):
+            raise ValueError(f"reward function `{name}` returned {key}={value!r} "
+                             f"({type(value).__name__}){where}; it must return a number or a "
+                             f"dict of numbers with a `score`")
+        out[key] = float(value)
+        if not isfinite(out[key]):
+            raise ValueError(f"reward function `{name}` returned a non-finite {key}={value!r}"
+                             f"{where}; rewards must be finite numbers")
+    return out
 
 
 def compute_rewards(
@@ -289,9 +321,9 @@ def compute_rewards(
                 )
             )
     for s, result in zip(samples, results):
-        d = _as_dict(result, reward_fn)
-        s.reward = float(d["score"])
-        s.reward_metrics = {k: float(v) for k, v in d.items() if k != "score"}
+        d = _as_dict(result, reward_fn, s)
+        s.reward = d["score"]
+        s.reward_metrics = {k: v for k, v in d.items() if k != "score"}
     if cfg.overlong_buffer_len > 0:
         if max_new_tokens is None:
             raise ValueError(

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from megatron_rl.algo.dynamic_sampling import DynamicSamplingState
+from megatron_rl.collectives import all_ranks
 from megatron_rl.rewards import compute_rewards
 from megatron_rl.rollout.darts import LengthStats, plan_pool
 from megatron_rl.rollout.engine import SamplingParams
@@ -59,8 +60,12 @@ class Collector:
                 break
             ds.add(groups)
             rounds += 1
-            if ds.done:
-                # all-equal groups carry zero advantage: training on them is a no-op, not an error
+            # Decided alike on every DP rank (all have their quota, or the round limit is hit),
+            # so the ranks draw the same number of batches and their data cursors never drift.
+            if all_ranks(ds.done, self.ps.pgs.dp):
+                # A rank without an informative group keeps its zero-advantage ones (every rank
+                # must take part in the update); when no rank has a signal the loop skips the
+                # update (actor/guards.py has_learning_signal).
                 kept = ds.take() or groups
                 break
         mean_reward = float(torch.tensor([s.reward for g in kept for s in g.samples]).mean())

@@ -48,13 +48,14 @@ def test_row_without_prompt_names_file_and_row(tmp_path):
     )
     with pytest.raises(ValueError) as e:
         PromptDataset.from_files([path], tokenizer=TOK, seed=0)
-    assert path in str(e.value) and "row 1" in str(e.value) and "`prompt`" in str(e.value)
+    # rows are counted as lines, from 1 (the JSON errors' convention)
+    assert path in str(e.value) and "line 2" in str(e.value) and "`prompt`" in str(e.value)
 
 
 def test_too_long_prompt_names_row(tmp_path):
     path = write_jsonl(tmp_path / "long.jsonl", [{"prompt": "1+1="}, {"prompt": "9" * 50}])
     with pytest.raises(
-        ValueError, match=r"long\.jsonl row 1: prompt has 51 tokens.*max_prompt_length=20"
+        ValueError, match=r"long\.jsonl` line 2: prompt has 51 tokens.*max_prompt_length=20"
     ):
         PromptDataset.from_files([path], tokenizer=TOK, seed=0, max_prompt_length=20)
 
@@ -62,7 +63,7 @@ def test_too_long_prompt_names_row(tmp_path):
 def test_bad_json_line_names_file_and_line(tmp_path):
     path = tmp_path / "broken.jsonl"
     path.write_text('{"prompt": "1"}\n{"prompt": \n')
-    with pytest.raises(ValueError, match=r"broken\.jsonl: line 2"):
+    with pytest.raises(ValueError, match=r"broken\.jsonl` line 2"):
         PromptDataset.from_files([str(path)], tokenizer=TOK, seed=0)
 
 
@@ -105,7 +106,7 @@ def test_epoch_order_is_seeded_and_reshuffled():
 def test_batch_size_checks_and_from_config():
     with pytest.raises(ValueError, match="multiple of the data-parallel size 4"):
         next(task_ds(dp_rank=0, dp_size=4).batches(6))
-    with pytest.raises(ValueError, match="fewer than one batch"):
+    with pytest.raises(ValueError, match="training set has only"):
         next(task_ds().batches(64))
     cfg = DataConfig(num_train_examples=16, num_val_examples=4, max_prompt_length=16)
     train = PromptDataset.from_config(cfg, tokenizer=TOK, seed=0)
