@@ -18,7 +18,7 @@ import json
 import os
 import struct
 
-JSON_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json",
+JSON_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "char_tokenizer.json",
               "model.safetensors.index.json", "generation_config.json")
 
 

@@ -725,7 +725,26 @@ class TrainerConfig:
     """Held-out prompts used per evaluation."""
 
     resume: bool = True
-    """Resume from the newest checkpoint in output_dir when one exists."""
+    """Resume from the newest complete checkpoint in output_dir when one exists (a run of the
+    same config without a checkpoint starts over in place)."""
+
+    overwrite: bool = False
+    """Start over in an output_dir that holds another run: its checkpoints, metrics, TensorBoard
+    events, final/ and result.json are deleted once every check has passed. Without it such a
+    folder is refused unless this run resumes it."""
+
+    resume_allow_changes: list[str] = field(default_factory=list)
+    """Dotted config fields that may differ from the checkpoint's config on resume (each
+    change is logged and applied); any other difference that changes the trajectory refuses to
+    resume. `parallel.data_parallel_size` allows another DP size (RNG streams re-derived)."""
+
+    keep_last: int = 0
+    """Keep only the newest this many complete checkpoints (0: keep all)."""
+
+    max_bad_steps: int = 3
+    """Optimizer updates skipped for a non-finite loss or gradient norm that a run tolerates;
+    one more stops it with an error (0: the first one stops it)."""
+
 
     init_from: str = ""
     """Start from this checkpoint folder (HF layout or a megatron-rl checkpoint), e.g. the SFT
@@ -742,6 +761,11 @@ class TrainerConfig:
         _check(self.mini_batches_per_step >= 1, "trainer.mini_batches_per_step", "must be >= 1")
         _check(self.epochs_per_step >= 1, "trainer.epochs_per_step", "must be >= 1")
         _check(self.micro_batch_tokens >= 1, "trainer.micro_batch_tokens", "must be >= 1")
+        _check_literals(self, "trainer")
+        for name in ("save_interval", "eval_interval", "keep_last", "max_bad_steps"):
+            _check(getattr(self, name) >= 0, f"trainer.{name}", "must be >= 0")
+        _check(self.num_eval_examples >= 1, "trainer.num_eval_examples", "must be >= 1")
+        _check(bool(self.output_dir.strip()), "trainer.output_dir", "must name a folder")
 
 
 # --------------------------------------------------------------------------------------------

@@ -14,28 +14,29 @@ can be refused is refused before the model is built (`_check_setup`).
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from functools import partial
 
 import torch
 
-from megatron_rl.actor.checkpoint import resume_run_state, save_run_state
-from megatron_rl.actor.loading import build_module, resolve_model, save_hf
+from megatron_rl.actor.loading import build_module, save_hf
 from megatron_rl.actor.policy import build_policy
 from megatron_rl.algo import algorithm_defaults, get_algorithm
+from megatron_rl.checks import check_model_fit, resolve_source
 from megatron_rl.config import RLConfig
-from megatron_rl.data.prompts import PromptDataset
-from megatron_rl.eval.accuracy import evaluate
+from megatron_rl.data.prompts import load_prompts
+from megatron_rl.eval.accuracy import eval_seed, evaluate
 from megatron_rl.metrics import MetricsLogger, Timer, dp_mean
 from megatron_rl.models.dllm import model_kind
 from megatron_rl.parallel import destroy_parallel, init_parallel
-from megatron_rl.recipe import config_main, save_resolved
+from megatron_rl.recipe import config_main
 from megatron_rl.rewards import build_reward
 from megatron_rl.rollout import ENGINES, EngineContext, build_engine, check_engine
 from megatron_rl.rollout.collect import Collector
 from megatron_rl.rollout.engine import SamplingParams
+from megatron_rl.run_dir import prepare_output_dir
+from megatron_rl.run_state import RunState, guarded_update
 from megatron_rl.types import TrainBatch, group_index
 
 
@@ -43,10 +44,12 @@ def run(cfg: RLConfig) -> dict:
     """RL training: per step one rollout, one update (mini-batches x epochs), one weight push;
     held-out pass@1 before and after; prints {"pass_at_1_before", "pass_at_1_after", ...}."""
     tr, algo = cfg.trainer, get_algorithm(cfg.algorithm.name)
-    src = resolve_model(cfg.model, tr.init_from)
+    src = resolve_source(cfg)  # the model's files checked first, naming the bad one
     engine_name = _check_setup(cfg, src, algo)
     ps = init_parallel(cfg.parallel)
-    save_resolved(cfg, tr.output_dir) if ps.rank == 0 else None
+    data, val = load_prompts(cfg, src.tokenizer, ps)  # every row checked before the model
+    reward_fn = build_reward(cfg.reward, "" if cfg.data.train_files else cfg.data.task)
+    plan = prepare_output_dir(cfg, ps)  # refuses another run's folder; writes config.yaml
     tok = src.tokenizer
     module, tcfg = build_module(src, ps, cfg.model)
     opt_steps = tr.total_steps * tr.mini_batches_per_step * tr.epochs_per_step
@@ -60,24 +63,20 @@ def run(cfg: RLConfig) -> dict:
     engine = build_engine(engine_name, EngineContext(cfg=cfg, module=policy.module, ps=ps,
                                                      tokenizer=tok, src=src,
                                                      seed=tr.seed * 1000 + ps.dp_rank))
-    data = PromptDataset.from_config(cfg.data, tokenizer=tok, seed=tr.seed, dp_rank=ps.dp_rank,
-                                     dp_size=ps.dp_size)
-    val = PromptDataset.from_config(cfg.data, tokenizer=tok, seed=tr.seed, split="val",
-                                    dp_rank=ps.dp_rank, dp_size=ps.dp_size)
-    reward_fn = build_reward(cfg.reward, "" if cfg.data.train_files else cfg.data.task)
     timer = Timer()
     collector = Collector(engine, reward_fn, tok, cfg, ps, timer)
     run_eval = partial(evaluate, engine, val, reward_fn, tok, cfg.reward,
                        SamplingParams.from_config(cfg.rollout, eos_token_id=tok.eos_token_id,
-                                                  val=True), tr.num_eval_examples, ps)
+                                                  val=True, seed=eval_seed(tr.seed, ps.dp_rank)),
+                       tr.num_eval_examples, ps)
     state = {"data": data, "scheduler": policy.scheduler, "engine": engine, "collector": collector}
-    start = resume_run_state(tr.output_dir, policy, state) if tr.resume else 0
+    run = RunState(cfg, plan, policy, src, ps, state)  # resumes plan.checkpoint (every rank's)
+    start = run.step
     engine.push_weights(policy.module, start)
     batches = data.batches(cfg.data.train_batch_size)
     log = MetricsLogger(tr.output_dir, tr.total_steps, tensorboard=tr.tensorboard,
-                        progress_bar=tr.progress_bar and ps.rank == 0)
-    before = run_eval()
-    log.log(start, _prefixed("eval/", before), advance=False)
+                        progress_bar=tr.progress_bar and ps.rank == 0, resume_step=start)
+    before = run.baseline(run_eval, log)  # evaluated at step 0 only; a resume reuses it
     t_start = time.perf_counter()
     for step in range(start + 1, tr.total_steps + 1):
         t0 = time.perf_counter()
@@ -90,28 +89,25 @@ def run(cfg: RLConfig) -> dict:
         with timer("old_logprobs"):                                   # 3. old / ref log-probs
             _score(batch, policy, ref, cfg.rollout.temperature)
         with timer("train"):                                          # 4. policy update
-            metrics.update(policy.train_step(
-                batch, partial(algo.loss, cfg=cfg.algorithm, norm_len=cfg.rollout.max_new_tokens),
+            update = partial(policy.train_step, make_loss=partial(
+                algo.loss, cfg=cfg.algorithm, norm_len=cfg.rollout.max_new_tokens),
                 mini_batches=tr.mini_batches_per_step, epochs=tr.epochs_per_step,
-                temperature=cfg.rollout.temperature))
+                temperature=cfg.rollout.temperature)
+            metrics.update(guarded_update(update, batch, cfg, ps, run.bad_steps, step))
         engine.push_weights(policy.module, step)                      # 5. weight sync
         metrics = dp_mean({**_batch_metrics(batch, samples, ps.dp_size, t0), **metrics,
                            **timer.pop()}, ps.pgs.dp if ps.dp_size > 1 else None)
         if tr.eval_interval and step % tr.eval_interval == 0 and step < tr.total_steps:
             metrics.update(_prefixed("eval/", run_eval()))
         log.log(step, metrics)                                        # 6. log / save
-        if tr.save_interval and step % tr.save_interval == 0:
-            save_run_state(tr.output_dir, step, policy, src, ps, state)
+        if run.due(step):
+            run.save(step, time.perf_counter() - t_start)
     after = run_eval()
     log.log(tr.total_steps + 1, _prefixed("eval/", after), advance=False)
     log.close()
     engine.close()
     save_hf(policy.module, src, os.path.join(tr.output_dir, "final"), ps)
-    result = {"pass_at_1_before": before["pass_at_1"], "pass_at_1_after": after["pass_at_1"],
-              "train_seconds": round(time.perf_counter() - t_start, 1)}
-    if ps.rank == 0:
-        with open(os.path.join(tr.output_dir, "result.json"), "w") as f:
-            json.dump(result, f)
+    result = run.finish(before, after, time.perf_counter() - t_start)  # result.json
     destroy_parallel()
     return result
 
@@ -133,6 +129,7 @@ def _check_setup(cfg: RLConfig, src, algo) -> str:
         raise ValueError(
             f"config field `trainer.micro_batch_tokens`: {cfg.trainer.micro_batch_tokens} cannot "
             f"hold one sequence of data.max_prompt_length + rollout.max_new_tokens = {longest}")
+    check_model_fit(cfg, src)  # tokenizer vs vocabulary, sequence length vs positions
     name = check_engine(cfg.rollout, kind, darts=cfg.rollout.darts.enabled)
     assert name in ENGINES
     return name

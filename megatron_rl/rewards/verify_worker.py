@@ -21,8 +21,8 @@ import json  # noqa: E402
 import signal  # noqa: E402
 
 
-class _VerifyTimeoutError(Exception):
-    pass
+class _VerifyTimeoutError(BaseException):
+    """BaseException: math-verify's own `except Exception` must not swallow the alarm."""
 
 
 def _alarm(signum, frame):

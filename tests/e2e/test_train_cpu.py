@@ -35,15 +35,21 @@ def rows(run_dir):
         return [json.loads(line) for line in f]
 
 
+# A dense reward: the tiny random model's exact-match reward is 0 everywhere, and an update
+# without a learning signal is skipped (no actor/* metrics to compare).
+DENSE = [f"reward.name={os.path.join(REPO, 'tests', 'e2e', 'toy_rewards.py')}:digit_fraction"]
+
+
 def test_resume_reproduces_uninterrupted_run(tmp_path):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    r = train(BASE + ["trainer.total_steps=4", f"trainer.output_dir={straight}"], tmp_path)
+    base = BASE + DENSE
+    r = train(base + ["trainer.total_steps=4", f"trainer.output_dir={straight}"], tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
-    r = train(BASE + ["trainer.total_steps=2", "trainer.save_interval=2",
+    r = train(base + ["trainer.total_steps=2", "trainer.save_interval=2",
                       f"trainer.output_dir={resumed}"], tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     assert os.path.isdir(resumed / "checkpoints" / "step_000002")
-    r = train(BASE + ["trainer.total_steps=4", f"trainer.output_dir={resumed}"], tmp_path)
+    r = train(base + ["trainer.total_steps=4", f"trainer.output_dir={resumed}"], tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     a = {x["step"]: x for x in rows(straight) if "reward/mean" in x}
     b = {x["step"]: x for x in rows(resumed) if "reward/mean" in x}
@@ -90,9 +96,15 @@ def test_train_with_darts_rollout_shaping(tmp_path):
         assert x["darts/pool_mean"] == pytest.approx(6.0)  # 1.5 x rollout.n=4
         assert x["darts/generated"] + x["darts/pruned"] == pytest.approx(6 * 4)  # 4 prompts
         assert x["rollout/num_groups"] == 4
-    extra = json.loads((out_dir / "checkpoints" / "step_000002" / "extra.json").read_text())
-    assert len(extra["darts"]["ema"]) == 8  # the 8 prompts seen in two steps of 4
-    assert extra["darts"]["alpha"] == pytest.approx(0.3)
+    # each rank saves its own collector state (rank_NNNNN.pt); extra.json shows rank 0's
+    ckpt = out_dir / "checkpoints" / "step_000002"
+    darts = json.loads((ckpt / "extra.json").read_text())["collector"]["darts"]
+    assert len(darts["ema"]) == 8  # the 8 prompts seen in two steps of 4
+    assert darts["alpha"] == pytest.approx(0.3)
+    import torch
+
+    mine = torch.load(ckpt / "rank_00000.pt", weights_only=True)["components"]["collector"]
+    assert mine["darts"] == darts
 
 
 def test_missing_external_engine_is_refused_before_the_model(tmp_path):
