@@ -6,7 +6,7 @@ seconds and names the file or the field.
   file (and every shard an index names) exists and is as long as its header says (a truncated
   download fails here, naming the file, not deep inside safetensors).
 - `check_model_fit(cfg, src)`: the tokenizer fits the model's vocabulary, prompts plus
-  responses fit its positions.
+  responses fit its positions; `check_split(src, ps)`: the model splits over the layout.
 
     src = resolve_source(cfg)        # check_model_files + actor.loading.resolve_model
     check_model_fit(cfg, src)
@@ -84,6 +84,14 @@ def resolve_source(cfg):
     check_model_files(tr.init_from or cfg.model.path,
                       "trainer.init_from" if tr.init_from else "model.path")
     return resolve_model(cfg.model, tr.init_from)
+
+
+def check_split(src, ps) -> None:
+    """The model splits as the layout asks (TP divides heads, FFN, vocabulary; PP the layers;
+    EP the experts): refused before the output folder is touched."""
+    from megatron_rl.models.builder import validate
+
+    validate(src.hf_config, ps)
 
 
 def _positions(hf: dict) -> int | None:

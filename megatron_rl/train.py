@@ -23,7 +23,7 @@ import torch
 from megatron_rl.actor.loading import build_module, save_hf
 from megatron_rl.actor.policy import build_policy
 from megatron_rl.algo import algorithm_defaults, get_algorithm
-from megatron_rl.checks import check_model_fit, resolve_source
+from megatron_rl.checks import check_model_fit, check_split, resolve_source
 from megatron_rl.config import RLConfig
 from megatron_rl.data.prompts import load_prompts
 from megatron_rl.eval.accuracy import eval_seed, evaluate
@@ -47,6 +47,7 @@ def run(cfg: RLConfig) -> dict:
     src = resolve_source(cfg)  # the model's files checked first, naming the bad one
     engine_name = _check_setup(cfg, src, algo)
     ps = init_parallel(cfg.parallel)
+    check_split(src, ps)  # TP / PP / EP divide the model
     data, val = load_prompts(cfg, src.tokenizer, ps)  # every row checked before the model
     reward_fn = build_reward(cfg.reward, "" if cfg.data.train_files else cfg.data.task)
     plan = prepare_output_dir(cfg, ps)  # refuses another run's folder; writes config.yaml

@@ -89,9 +89,20 @@ def build_module(src: ModelSource, ps: ParallelState, cfg: ModelConfig, packed: 
         attention_backend=backend, recompute=cfg.recompute, moe_experts=cfg.moe_experts,
         **kwargs,
     )
-    if src.weights_dir is not None:
+    if src.weights_dir is not None and is_run_checkpoint(src.weights_dir):
+        from megatron_rl.actor.checkpoint import load_checkpoint
+
+        load_checkpoint(model, src.weights_dir)  # a run's checkpoints/step_N (model shards only)
+    elif src.weights_dir is not None:
         load_hf_weights(model, src.weights_dir, ps, src.hf_config)
     return model, model.config
+
+
+def is_run_checkpoint(folder: str) -> bool:
+    """A megatron-rl checkpoint folder (dist_checkpointing `model/`, no safetensors) rather
+    than an HF one; `trainer.init_from` / `model.path` accept both."""
+    return os.path.isdir(os.path.join(folder, "model")) and not any(
+        name.endswith(".safetensors") for name in os.listdir(folder))
 
 
 def save_hf(module, src: ModelSource, out_dir: str, ps: ParallelState) -> None:

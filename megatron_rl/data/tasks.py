@@ -32,6 +32,7 @@ def synthetic_arithmetic(
     max_digits: int = 2,
     mul_max_digits: int = 1,
     teacher_repeat_rate: float = 0.0,
+    distinct_val: bool = False,
 ) -> list[dict]:
     """`num_examples` problems "a<op>b=" with operands of min_digits..max_digits digits (the
     second factor of a product has at most mul_max_digits digits, which keeps products learnable
@@ -41,7 +42,9 @@ def synthetic_arithmetic(
     `teacher_repeat_rate` > 0 the demonstrations come from an imperfect teacher that, with that
     probability, states the answer twice ("19 19"): the arithmetic is right, the verifier
     rejects it. The quickstart uses this to show what the RL stage adds: SFT copies the
-    teacher's habit, GRPO with the exact-match verifier removes it."""
+    teacher's habit, GRPO with the exact-match verifier removes it. `distinct_val`: the val split
+    holds each problem at most once (drawn without replacement: a small held-out split can be
+    evaluated whole, each problem once); the train split is unaffected."""
     if not 0.0 <= teacher_repeat_rate <= 1.0:
         raise ValueError(f"task_kwargs.teacher_repeat_rate: {teacher_repeat_rate} not in [0, 1]")
     _check_split(split)
@@ -58,7 +61,7 @@ def synthetic_arithmetic(
         d = rng.randint(min_digits, max(min_digits, max_d))
         return rng.randint(0 if d == 1 else 10 ** (d - 1), 10**d - 1)
 
-    rows = []
+    rows, seen = [], set()
     for _ in range(100 * num_examples + 10_000):  # a split may hold few problems: bound the search
         if len(rows) == num_examples:
             break
@@ -69,8 +72,9 @@ def synthetic_arithmetic(
         prompt = f"{a}{op}{b}="
         # Disjoint splits: the hash of the problem decides its split, whatever the seed.
         is_val = zlib.crc32(prompt.encode()) % 100 < _VAL_PERCENT
-        if is_val != (split == "val"):
+        if is_val != (split == "val") or (distinct_val and is_val and prompt in seen):
             continue
+        seen.add(prompt)
         answer = {"+": a + b, "-": a - b, "*": a * b}[op]
         response = f"{answer} {answer}" if rng.random() < teacher_repeat_rate else str(answer)
         rows.append(

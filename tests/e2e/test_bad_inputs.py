@@ -62,6 +62,7 @@ CASES = [
     ("top_p_zero", ["rollout.top_p=0"], [r"rollout\.top_p"]),
     ("batch_zero", ["data.train_batch_size=0"], [r"data\.train_batch_size"]),
     ("dtype", ["model.dtype=fp64"], [r"model\.dtype"]),
+    ("tp_over_world", ["parallel.tensor_model_parallel_size=3"], [r"parallel\.", "world size 1"]),
     # -- the model: sizes, files (checks.py, before any weight is built)
     ("past_positions", ["rollout.max_new_tokens=600"], [r"rollout\.max_new_tokens", "512"]),
     ("micro_batch_too_small", ["trainer.micro_batch_tokens=10"], [r"trainer\.micro_batch_tokens"]),
@@ -270,3 +271,18 @@ def test_more_eval_examples_than_the_held_out_set_warns(tmp_path):
         warnings.simplefilter("always")
         load_prompts(cfg, CharTokenizer(), ps)
     assert [str(x.message) for x in w if "num_eval_examples=50" in str(x.message)]
+
+
+@pytest.mark.slow
+def test_init_from_a_run_checkpoint_equals_its_hf_export(inputs):
+    """trainer.init_from accepts a megatron-rl checkpoint (checkpoints/step_N) as its docstring
+    says: evaluating it gives what evaluating the same weights exported as HF gives."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO, HF_HUB_OFFLINE="1")
+    outs = []
+    for folder in ("checkpoints/step_000002", "final"):
+        r = subprocess.run([sys.executable, "-m", "megatron_rl.cli", "eval", *BASE,
+                            f"trainer.init_from={inputs['run']}/{folder}"], cwd=REPO, env=env,
+                           capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        outs.append(json.loads(r.stdout.strip().splitlines()[-1]))
+    assert outs[0] == outs[1]

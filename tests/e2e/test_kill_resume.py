@@ -160,3 +160,29 @@ def test_two_rank_run_with_dynamic_sampling_and_darts_resumes_exactly(tmp_path):
     want, got = _rows(str(straight)), _rows(str(resumed))
     assert [r["step"] for r in got] == [r["step"] for r in want]
     assert got == want
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout,allow", [("parallel.tensor_model_parallel_size=2",
+                                           "parallel.tensor_model_parallel_size"),
+                                          ("", "parallel.data_parallel_size")])
+def test_resharding_resume_tp2_or_dp2_to_one_rank(tmp_path, layout, allow):
+    """A checkpoint saved by 2 ranks (TP=2 or DP=2) resumes on one process through
+    dist_checkpointing's resharding, once the layout change is allowed: the weights it loads are
+    the saved ones (the one-rank HF export of the finished run equals the two-rank export)."""
+    sys.path.insert(0, os.path.join(REPO, "tests"))
+    from helpers import run_torchrun
+
+    args = [*ARGS[:14], "model.tiny.vocab_size=100", "trainer.eval_interval=0",
+            "trainer.total_steps=2", f"trainer.output_dir={tmp_path}"]
+    run_torchrun(["-m", "megatron_rl.cli", "train", *args, *([layout] if layout else [])],
+                 timeout=600)
+    two_ranks = _weights(str(tmp_path))
+    cmd = [sys.executable, "-m", "megatron_rl.cli", "train", *args]
+    r = subprocess.run(cmd, cwd=REPO, env=_env("reshard"), capture_output=True, text=True)
+    assert r.returncode == 2 and allow in r.stderr, r.stderr[-2000:]  # refused until allowed
+    r = subprocess.run(cmd + [f"trainer.resume_allow_changes=[{allow}]"], cwd=REPO,
+                       env=_env("reshard"), capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "at another layout" in r.stderr
+    assert _weights(str(tmp_path)) == two_ranks
