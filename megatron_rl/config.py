@@ -383,6 +383,10 @@ class VLLMConfig:
     startup_timeout_s: float = 600.0
     """Launch mode: seconds the server may take to become healthy."""
 
+    verify_sync_tol: float = 0.0
+    """After every weight push, score a fixed token sequence on the engine and the actor and
+    fail when the log-probs differ by more than this (0: no check)."""
+
     def __post_init__(self):
         _check_literals(self, "rollout.vllm")
         _check(self.tp >= 1, "rollout.vllm.tp", "must be >= 1")
@@ -418,6 +422,11 @@ class RolloutConfig:
 
     max_batch_size: int = 256
     """Most sequences decoded at once by the built-in engines (continuous batching refills it)."""
+
+    keep_decode_graphs: bool = True
+    """Built-in engine on CUDA: keep the KV cache and the captured decode CUDA graphs between
+    rollouts (no re-capture each step; the cache's memory stays held while training). False
+    frees both at every engine.sleep(). No effect without CUDA graphs (CPU)."""
 
     val_temperature: float = 0.0
     """Temperature used for evaluation (0 = greedy pass@1)."""
@@ -564,7 +573,6 @@ class RewardConfig:
     """Seconds math-verify may spend on one response (in its worker process); a response that
     takes longer scores as incorrect and is counted in `reward/timeouts`."""
 
-
     diversity: DiversityConfig = field(default_factory=DiversityConfig)
     """DARLING diversity-aware reward."""
 
@@ -580,8 +588,137 @@ class RewardConfig:
 # --------------------------------------------------------------------------------------------
 # Algorithm
 # --------------------------------------------------------------------------------------------
-AlgorithmName = Literal["grpo", "drgrpo", "rloo", "dapo"]
+AlgorithmName = Literal["grpo", "drgrpo", "rloo", "dapo", "d1", "coupled_grpo", "spg", "bgpo",
+                        "vrpo"]
 """Names of megatron_rl/algo/__init__.py ALGORITHMS."""
+
+DIFFUSION_ALGORITHMS = ("d1", "coupled_grpo", "spg", "bgpo", "vrpo")
+"""The algorithms that train diffusion LMs (docs/algorithms.md C.5); the rest are autoregressive."""
+
+DLLM_FIELDS: dict[str, tuple[str, ...]] = {
+    "d1": ("p_mask_prompt", "mask_impl"),
+    "coupled_grpo": ("t_min", "t_max", "mask_impl"),
+    "spg": ("mc_num", "block_length", "t_min", "t_max", "use_mask_prompt", "p_mask_prompt",
+            "logp_estimation", "eubo_beta", "mix_weight", "mask_impl"),
+    "bgpo": ("mc_num", "stratified", "norm_len", "mask_impl"),
+    "vrpo": ("mc_num", "stratified", "norm_len", "beta", "mask_impl"),
+}
+"""The `algorithm.dllm` fields each diffusion algorithm reads; setting another one is refused."""
+
+
+@dataclass(kw_only=True)
+class DiffusionRLConfig:
+    """Diffusion-LM RL (docs/algorithms.md C.4-C.6): the hyperparameters of d1, coupled_grpo,
+    spg, bgpo and vrpo that are not shared with the autoregressive algorithms (clip ratios and
+    kl_coef are `algorithm.*`). A field left at None takes the algorithm's default (C.6); a field
+    the chosen algorithm does not read is refused (`DLLM_FIELDS`)."""
+
+    mc_num: int | None = None
+    """Monte-Carlo views per response: bgpo 16 and vrpo 4 stratified mask counts, spg 1 (its
+    num_t block-wise views)."""
+
+    stratified: bool | None = None
+    """bgpo, vrpo: stratified mask counts l_j, one shared offset (C.0.3, default True); False:
+    i.i.d. counts."""
+
+    norm_len: int = 0
+    """bgpo, vrpo: R of the per-view ELBO term, a constant (DARE's MDLM variant: the padded
+    response length); 0: each response's own length (DARE's SDAR / LLaDA2 variant)."""
+
+    p_mask_prompt: float | None = None
+    """d1 (0.15), spg (0.15): probability that a clean token before the scored part (d1: the
+    prompt; spg: prompt and earlier blocks) is masked. Block-diffusion models need 0 (d1) or
+    use_mask_prompt=false (spg)."""
+
+    t_min: float | None = None
+    """coupled_grpo: lower end of the mask ratio t ~ U(t_min, t_max) (0.2); spg: of the masked
+    fraction inside the chosen block (0.0)."""
+
+    t_max: float | None = None
+    """coupled_grpo: upper end of t (0.8); spg: of the masked fraction inside the block (1.0)."""
+
+    block_length: int | None = None
+    """spg: block size of the block-wise corruption (32)."""
+
+    use_mask_prompt: bool | None = None
+    """spg: mask the clean tokens before the chosen block at p_mask_prompt (True)."""
+
+    logp_estimation: Literal["mix", "eubo", "elbo", "zero"] | None = None
+    """spg: the bound used for A <= 0 samples: mix (w EUBO + (1 - w) ELBO, default) | eubo | elbo
+    | zero."""
+
+    eubo_beta: float | None = None
+    """spg: beta_E of the evidence upper bound (1.5)."""
+
+    mix_weight: float | None = None
+    """spg: w of the mix estimate (0.5)."""
+
+    beta: float | None = None
+    """vrpo: DPO inverse temperature beta (0.2)."""
+
+    mask_impl: Literal["kernel", "dense"] = "kernel"
+    """Block-diffusion models: the C.2 attention mask of the scoring and update forwards as the
+    kernel-built BlockMask (kernel) or from the dense mask (dense; reference only). Masked
+    diffusion models have no block mask and refuse dense."""
+
+    def __post_init__(self):
+        _check_literals(self, "algorithm.dllm")
+        _check(self.mc_num is None or self.mc_num >= 1, "algorithm.dllm.mc_num", "must be >= 1")
+        _check(self.norm_len >= 0, "algorithm.dllm.norm_len", "must be >= 0 (0: own length)")
+        _check(self.block_length is None or self.block_length >= 1,
+               "algorithm.dllm.block_length", "must be >= 1")
+
+    def set_fields(self) -> list[str]:
+        """The fields given a value (not None; norm_len != 0; mask_impl != kernel)."""
+        out = [f.name for f in dataclasses.fields(self)
+               if f.name not in ("norm_len", "mask_impl") and getattr(self, f.name) is not None]
+        return out + (["norm_len"] if self.norm_len else []) + (
+            ["mask_impl"] if self.mask_impl != "kernel" else [])
+
+
+@dataclass(kw_only=True)
+class RolloutCorrectionConfig:
+    """Engine-vs-actor mismatch (docs/algorithms.md F.14, F.15): importance weights on the loss
+    from rho = pi_old / pi_rollout (the actor's recomputed log-prob over the engine's), the
+    mismatch metrics, and MoE routing replay. Autoregressive algorithms only."""
+
+    mode: Literal["none", "tis", "mis"] = "none"
+    """Weight w of each token's policy loss: none (w = 1) | tis (truncated importance sampling,
+    w = min(rho, threshold)) | mis (masked importance sampling, w = rho where threshold_low <=
+    rho <= threshold, else 0). w is a constant (no gradient); normalizers are unchanged."""
+
+    level: Literal["token", "sequence"] = "token"
+    """Where rho is measured: token (each token's own ratio) | sequence (the product of the
+    response's token ratios, one weight for all its tokens)."""
+
+    threshold: float = 2.0
+    """Upper bound C of rho: tis truncates at it, mis masks above it (and the metrics count the
+    tokens beyond it)."""
+
+    threshold_low: float = 0.0
+    """mis only: lower bound of rho, below which a token (sequence) is masked; 0 keeps all."""
+
+    metrics: bool | None = None
+    """Log the mismatch metrics rollout_correction/* (mismatch KL of the engine's policy to the
+    actor's, rho mean/max, the fraction of tokens the correction truncates or masks -- or
+    would, at `threshold`) each step. None: when a correction is on or the engine is not a
+    built-in one (rollout.engine other than auto / local / diffusion)."""
+
+    routing_replay: bool = False
+    """MoE routing replay (R3): the engine returns the experts it routed each token to (the
+    built-in engine records its own) and the actor replays them in its old-log-prob and
+    training forwards (actor/routing_replay.py). MoE models only."""
+
+    def __post_init__(self):
+        _check_literals(self, "algorithm.rollout_correction")
+        _check(self.threshold > 0 and math.isfinite(self.threshold),
+               "algorithm.rollout_correction.threshold", f"got {self.threshold}; must be > 0")
+        _check(0 <= self.threshold_low < self.threshold,
+               "algorithm.rollout_correction.threshold_low",
+               f"got {self.threshold_low}; must be in [0, threshold={self.threshold})")
+        _check(self.threshold_low == 0 or self.mode == "mis",
+               "algorithm.rollout_correction.threshold_low",
+               f"only masked importance sampling (mode=mis) has a lower bound; mode={self.mode}")
 
 
 @dataclass(kw_only=True)
@@ -590,7 +727,10 @@ class AlgorithmConfig:
     """The algorithm (megatron_rl/algo ALGORITHMS): its advantage estimator, loss and defaults
     (applied under the recipe and the overrides). grpo: group mean/std baseline | drgrpo: grpo
     without the std and seq-mean-token-sum-norm | rloo: leave-one-out baseline | dapo: grpo +
-    clip-higher 0.28, dual clip 10, dynamic sampling, reward +1/-1."""
+    clip-higher 0.28, dual clip 10, dynamic sampling, reward +1/-1. Diffusion LMs
+    (docs/algorithms.md C.5): d1 (one-step mean field, prompt masking) | coupled_grpo
+    (complementary masks) | spg (sandwiched bounds) | bgpo (boundary-guided MC ELBO) | vrpo
+    (DPO on in-group pairs, variance-reduced ELBO)."""
 
     norm_adv_by_std: bool | None = None
     """grpo-family estimators: divide advantages by the group std (None: the algorithm's choice;
@@ -625,8 +765,16 @@ class AlgorithmConfig:
     max_resample_rounds: int = 4
     """Most extra generation rounds dynamic sampling may run to refill one batch."""
 
+    dllm: DiffusionRLConfig = field(default_factory=DiffusionRLConfig)
+    """Diffusion-LM algorithms (d1, coupled_grpo, spg, bgpo, vrpo): their own hyperparameters."""
+
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    """Engine-vs-actor mismatch: truncated / masked importance sampling, its metrics, MoE
+    routing replay (autoregressive algorithms)."""
+
     def __post_init__(self):
         _check_literals(self, "algorithm")
+        self._check_diffusion()
         _check(not (self.name == "rloo" and self.norm_adv_by_std is not None),
                "algorithm.norm_adv_by_std", "rloo's leave-one-out baseline has no std to divide by")
         _check(not (self.name == "drgrpo" and self.norm_adv_by_std),
@@ -642,6 +790,30 @@ class AlgorithmConfig:
                f"got {self.clip_ratio_high}; it is epsilon_high, the distance above 1; must be >= 0")
         _check(math.isfinite(self.entropy_coef), "algorithm.entropy_coef", "must be finite")
         _check(self.max_resample_rounds >= 0, "algorithm.max_resample_rounds", "must be >= 0")
+
+    def _check_diffusion(self) -> None:
+        """What the diffusion algorithms do not implement is refused, not ignored (C.4 item 7)."""
+        used = DLLM_FIELDS.get(self.name, ())
+        for name in self.dllm.set_fields():
+            _check(name in used, f"algorithm.dllm.{name}",
+                   f"not read by algorithm.name={self.name} (it reads: "
+                   f"{', '.join(used) or 'none: algorithm.dllm is for diffusion LMs'})")
+        if self.name not in DIFFUSION_ALGORITHMS:
+            return
+        _check(self.loss_agg_mode == "token-mean", "algorithm.loss_agg_mode",
+               f"{self.name} aggregates token-mean (its objective's own normalizer); got "
+               f"{self.loss_agg_mode}")
+        _check(self.entropy_coef == 0, "algorithm.entropy_coef",
+               f"{self.name} has no entropy bonus (no per-token entropy of a diffusion LM's "
+               "response); set 0")
+        _check(self.kl_coef == 0 or self.name in ("d1", "coupled_grpo"), "algorithm.kl_coef",
+               f"{self.name} has no KL-to-reference term (spg forbids it, bgpo is KL-free, "
+               "vrpo's DPO beta is algorithm.dllm.beta); set 0")
+        if self.name in ("spg", "vrpo"):  # neither has a ratio to clip
+            for name, default in (("clip_ratio_low", 0.2), ("clip_ratio_high", 0.2),
+                                  ("clip_ratio_c", 3.0)):
+                _check(getattr(self, name) == default, f"algorithm.{name}",
+                       f"{self.name} has no clipped ratio; leave it at {default}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -709,6 +881,11 @@ class TrainerConfig:
     micro_batch_tokens: int = 8192
     """Token budget of one forward/backward micro-batch (the length-bucketed planner's cap)."""
 
+    micro_batch_layout: Literal["padded", "packed"] = "padded"
+    """padded: right-padded [b, s] micro-batches (any attention backend) | packed: one THD row per
+    micro-batch, attention per document (needs model.attention_backend auto, flex or te; auto
+    then builds flex), no padding computed."""
+
     seed: int = 1
     """Seed of data order and sampling."""
 
@@ -744,7 +921,6 @@ class TrainerConfig:
     max_bad_steps: int = 3
     """Optimizer updates skipped for a non-finite loss or gradient norm that a run tolerates;
     one more stops it with an error (0: the first one stops it)."""
-
 
     init_from: str = ""
     """Start from this checkpoint folder (HF layout or a megatron-rl checkpoint), e.g. the SFT

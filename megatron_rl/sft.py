@@ -153,12 +153,13 @@ def run(cfg: SFTConfig) -> dict:
     if bs % ps.dp_size:
         raise ValueError(f"config field `sft.batch_size`: {bs} must be a multiple of the DP size {ps.dp_size}")
     total = tr.total_steps or max(1, math.ceil(cfg.sft.epochs * len(examples) / bs))
-    module, tcfg = build_module(src, ps, cfg.model)
+    packed = tr.micro_batch_layout == "packed"
+    module, tcfg = build_module(src, ps, cfg.model, packed=packed)
     if cfg.sft.lora_rank:
         apply_lora(module, ps, rank=cfg.sft.lora_rank, alpha=cfg.sft.lora_alpha,
                    targets=cfg.sft.lora_targets, seed=tr.seed)
     policy = build_policy(module, tcfg, ps, cfg.optimizer, total, tr.micro_batch_tokens,
-                          pad_id=tok.pad_token_id)
+                          pad_id=tok.pad_token_id, packed=packed)
     log = MetricsLogger(tr.output_dir, total, tensorboard=tr.tensorboard,
                         progress_bar=tr.progress_bar and ps.rank == 0)
     order_gen = torch.Generator().manual_seed(tr.seed)

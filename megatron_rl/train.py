@@ -3,8 +3,10 @@
     prompts  -> collect: rollout (engine, n per prompt; DARTS pools) + rewards
                          [+ DAPO dynamic sampling]                   rollout/collect.py
              -> advantages (the algorithm's estimator)               algo/__init__.py
-             -> old (and ref) log-probs recomputed by the actor      actor/policy.py
-             -> policy.train_step: mini-batches x epochs             actor/policy.py, algo/losses.py
+             -> learner.score: old (and ref) log-probs; diffusion LMs
+                  first store the algorithm's corruptions            actor/learner.py
+             -> learner.update: mini-batches x epochs               actor/policy.py, algo/losses.py,
+                                                                     actor/diffusion_objective.py
              -> weight push to the engine (no-op copy when shared)   rollout/engine.py
              -> metrics, eval, checkpoint                            actor/checkpoint.py
 
@@ -23,6 +25,7 @@ import torch
 from megatron_rl.actor.loading import build_module, save_hf
 from megatron_rl.actor.policy import build_policy
 from megatron_rl.algo import algorithm_defaults, get_algorithm
+from megatron_rl.algo.losses import check_rollout_correction, mismatch_metrics, mismatch_metrics_on
 from megatron_rl.checks import check_model_fit, check_split, resolve_source
 from megatron_rl.config import RLConfig
 from megatron_rl.data.prompts import load_prompts
@@ -52,15 +55,12 @@ def run(cfg: RLConfig) -> dict:
     reward_fn = build_reward(cfg.reward, "" if cfg.data.train_files else cfg.data.task)
     plan = prepare_output_dir(cfg, ps)  # refuses another run's folder; writes config.yaml
     tok = src.tokenizer
-    module, tcfg = build_module(src, ps, cfg.model)
+    packed = tr.micro_batch_layout == "packed"
+    module, tcfg = build_module(src, ps, cfg.model, packed=packed)
     opt_steps = tr.total_steps * tr.mini_batches_per_step * tr.epochs_per_step
     policy = build_policy(module, tcfg, ps, cfg.optimizer, opt_steps, tr.micro_batch_tokens,
-                          pad_id=tok.pad_token_id)
-    ref = None
-    if cfg.algorithm.kl_coef > 0:
-        ref_module, ref_cfg = build_module(src, ps, cfg.model)
-        ref = build_policy(ref_module, ref_cfg, ps, None, micro_batch_tokens=tr.micro_batch_tokens,
-                           pad_id=tok.pad_token_id)
+                          pad_id=tok.pad_token_id, packed=packed)
+    learner = algo.build_learner(cfg, policy, src, ps)  # the update by model kind (+ pi_ref)
     engine = build_engine(engine_name, EngineContext(cfg=cfg, module=policy.module, ps=ps,
                                                      tokenizer=tok, src=src,
                                                      seed=tr.seed * 1000 + ps.dp_rank))
@@ -88,15 +88,12 @@ def run(cfg: RLConfig) -> dict:
         batch = TrainBatch.from_samples(
             samples, algo.advantages(cfg.algorithm, rewards, group_index(samples)))
         with timer("old_logprobs"):                                   # 3. old / ref log-probs
-            _score(batch, policy, ref, cfg.rollout.temperature)
+            learner.score(batch, step)
         with timer("train"):                                          # 4. policy update
-            update = partial(policy.train_step, make_loss=partial(
-                algo.loss, cfg=cfg.algorithm, norm_len=cfg.rollout.max_new_tokens),
-                mini_batches=tr.mini_batches_per_step, epochs=tr.epochs_per_step,
-                temperature=cfg.rollout.temperature)
-            metrics.update(guarded_update(update, batch, cfg, ps, run.bad_steps, step))
+            metrics.update(guarded_update(learner.update, batch, cfg, ps, run.bad_steps, step))
         engine.push_weights(policy.module, step)                      # 5. weight sync
-        metrics = dp_mean({**_batch_metrics(batch, samples, ps.dp_size, t0), **metrics,
+        engine.wake()  # re-acquire generation memory before the next rollout / eval
+        metrics = dp_mean({**_batch_metrics(batch, samples, cfg, ps.dp_size, t0), **metrics,
                            **timer.pop()}, ps.pgs.dp if ps.dp_size > 1 else None)
         if tr.eval_interval and step % tr.eval_interval == 0 and step < tr.total_steps:
             metrics.update(_prefixed("eval/", run_eval()))
@@ -130,31 +127,29 @@ def _check_setup(cfg: RLConfig, src, algo) -> str:
         raise ValueError(
             f"config field `trainer.micro_batch_tokens`: {cfg.trainer.micro_batch_tokens} cannot "
             f"hold one sequence of data.max_prompt_length + rollout.max_new_tokens = {longest}")
+    algo.check(cfg, src.hf_config)
+    check_rollout_correction(cfg, src.hf_config, kind)  # TIS / MIS / MoE routing replay
     check_model_fit(cfg, src)  # tokenizer vs vocabulary, sequence length vs positions
     name = check_engine(cfg.rollout, kind, darts=cfg.rollout.darts.enabled)
     assert name in ENGINES
     return name
 
 
-def _score(batch: TrainBatch, policy, ref, temperature: float) -> None:
-    """Old (and reference) log-probs of every sample, recomputed by the actor."""
-    seqs = [batch.input_ids(i) for i in range(len(batch))]
-    starts = [len(p) for p in batch.prompt_ids]
-    batch.old_logprobs, _ = policy.logprobs(seqs, starts, temperature=temperature)
-    if ref is not None:
-        batch.ref_logprobs, _ = ref.logprobs(seqs, starts, temperature=temperature)
-
-
-def _batch_metrics(batch: TrainBatch, samples, dp_size: int, t0: float) -> dict[str, float]:
+def _batch_metrics(batch: TrainBatch, samples, cfg, dp_size: int, t0: float) -> dict[str, float]:
     lengths = torch.tensor([float(s.response_length) for s in samples])
-    gap = torch.cat([(o - r).abs() for o, r in zip(batch.old_logprobs, batch.rollout_logprobs)])
     n_tokens = float(sum(len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)))
-    return {"reward/mean": float(batch.rewards.mean()),
-            "response_length/mean": float(lengths.mean()),
-            "response_length/max": float(lengths.max()),
-            "rollout/logprob_gap_max": float(gap.max()),
-            "rollout/logprob_gap_mean": float(gap.mean()),
-            "throughput/tokens_per_s": n_tokens * dp_size / (time.perf_counter() - t0)}
+    out = {"reward/mean": float(batch.rewards.mean()),
+           "response_length/mean": float(lengths.mean()),
+           "response_length/max": float(lengths.max())}
+    if batch.corruptions is None:  # a diffusion sampler's commit log-probs are not comparable
+        gap = torch.cat([(o - r).abs() for o, r in zip(batch.old_logprobs, batch.rollout_logprobs)])
+        out.update({"rollout/logprob_gap_max": float(gap.max()),
+                    "rollout/logprob_gap_mean": float(gap.mean())})
+        if mismatch_metrics_on(cfg):  # engine vs actor: KL, rho, fraction corrected (F.14)
+            out.update(mismatch_metrics(batch.old_logprobs, batch.rollout_logprobs,
+                                        cfg.algorithm.rollout_correction))
+    seconds = time.perf_counter() - t0
+    return {**out, "throughput/tokens_per_s": n_tokens * dp_size / seconds, "time/step": seconds}
 
 
 def _prefixed(prefix: str, d: dict) -> dict:

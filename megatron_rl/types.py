@@ -71,6 +71,10 @@ class Sample:
     """data_source / extra_info of the prompt and anything a reward function needs."""
     policy_version: int = 0
     """Version of the weights that generated this sample."""
+    routed_experts: torch.Tensor | None = None
+    """MoE routing replay (R3): int [P + L - 1, num_moe_layers, topk], the experts the engine
+    routed each token it fed (prompt and response but the last token) to, per MoE layer
+    (actor/routing_replay.py); None when the engine was not asked for them."""
 
     def __post_init__(self):
         if self.finish_reason not in FINISH_REASONS:
@@ -164,6 +168,13 @@ class TrainBatch:
     """[L_i] log-probs under pi_old (filled by the actor before the first update)."""
     ref_logprobs: list[torch.Tensor] | None = None
     """[L_i] log-probs under pi_ref (filled by the actor when kl_coef > 0)."""
+    routed_experts: list[torch.Tensor] | None = None
+    """[P_i + L_i - 1, moe_layers, topk] engine-routed experts per sample (`Sample.routed_experts`),
+    replayed by the actor; None unless every sample carries them."""
+    corruptions: list[Any] | None = None
+    """Diffusion LMs: the stored corruption of each sample (`algo.dllm.corruption.ViewCorruption`,
+    drawn once by the learner, docs/algorithms.md C.4); old_logprobs / ref_logprobs are then
+    [V_i, L_i] log-probs of its V views (`actor.diffusion_objective.view_logprobs`)."""
 
     @classmethod
     def from_samples(cls, samples: list[Sample], advantages_N: torch.Tensor) -> TrainBatch:
@@ -184,6 +195,8 @@ class TrainBatch:
             rewards=torch.tensor([s.reward for s in samples], dtype=torch.float32),
             group_ids=[s.group_id for s in samples],
             rollout_logprobs=None if any(lp is None for lp in lps) else lps,
+            routed_experts=None if any(s.routed_experts is None for s in samples)
+            else [s.routed_experts for s in samples],
         )
 
     def __len__(self) -> int:
@@ -213,6 +226,8 @@ class TrainBatch:
             rollout_logprobs=pick(self.rollout_logprobs),
             old_logprobs=pick(self.old_logprobs),
             ref_logprobs=pick(self.ref_logprobs),
+            corruptions=pick(self.corruptions),
+            routed_experts=pick(self.routed_experts),
         )
 
     def split(self, num_mini_batches: int) -> list[TrainBatch]:

@@ -135,7 +135,7 @@ def objective_backward(
         return (lp * b.weights.to(lp.device)).sum() * scale, {}
 
     diffusion_backward(policy, [vb.batch for vb in vbs], closure, layout.mask_impl)
-    return {**metrics, "loss": float(loss), "replay_max_abs_diff": drift[0],
+    return {**metrics, "loss": float(loss.detach()), "replay_max_abs_diff": drift[0],
             "num_forwards": float(len(vbs))}
 
 

@@ -6,8 +6,12 @@ Megatron's output layer leaves logits split over the tensor-parallel group along
     log p(y_t) = z_t[y_t] / T - logsumexp_v(z_t[v] / T)
     H_t        = logsumexp_v(z_t / T) - sum_v softmax(z_t / T)[v] * z_t[v] / T
 
-with the all-reduces done through `torch.distributed.nn.functional` so gradients flow across
-ranks. With `tp_group=None` (or a group of one) they are plain local computations. The work is
+with differentiable all-reduces over the TP group. Every rank of the group computes the same loss
+from the reduced values, so the gradient of a rank's partial sum is the gradient of the sum
+itself: the all-reduce's backward is the identity (megatron-core's
+`reduce_from_tensor_model_parallel_region`); `torch.distributed.nn`'s all_reduce would sum the
+gradient over the group as well, tp times too large. With `tp_group=None` (or a group of one)
+they are plain local computations. The work is
 chunked over tokens so a 150k vocabulary never materializes more than `chunk_tokens` rows of
 fp32 probabilities at once.
 """
@@ -16,18 +20,32 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.distributed.nn.functional import all_reduce as differentiable_all_reduce
 
 
 def _tp_size(group) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
+class _SumReplicated(torch.autograd.Function):
+    """Sum over the group; backward: identity (the consumers are replicated, module docstring)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
 def _allreduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM, grad: bool = True) -> torch.Tensor:
     if _tp_size(group) == 1:
         return x
     if grad and x.requires_grad:
-        return differentiable_all_reduce(x, op=op, group=group)
+        assert op == dist.ReduceOp.SUM, "only sums are differentiated"
+        return _SumReplicated.apply(x, group)
     x = x.clone()
     dist.all_reduce(x, op=op, group=group)
     return x

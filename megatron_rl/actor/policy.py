@@ -38,6 +38,13 @@ import torch
 from megatron_rl.actor.guards import guarded_step
 from megatron_rl.actor.logprobs import vocab_parallel_logprobs
 from megatron_rl.actor.microbatch import plan_micro_batches
+from megatron_rl.actor.routing_replay import pack_routes, replay
+from megatron_rl.actor.stage_sync import (
+    dp_sum_parts,
+    equal_micro_batch_count,
+    from_last_stage,
+    metrics_from_last_stage,
+)
 from megatron_rl.config import OptimizerConfig
 from megatron_rl.parallel import ParallelState
 
@@ -54,6 +61,7 @@ class _MicroBatch:
     offsets: list[int] | None = None  # packed: first row of each sample in the packed row
     positions: torch.Tensor | None = None  # packed: position of each token inside its sample
     packed_seq_params: object = None  # packed: megatron PackedSeqParams (per-document attention)
+    routes: torch.Tensor | None = None  # MoE routing replay: [moe layers, tokens, k] (R3)
 
 
 class Policy:
@@ -89,6 +97,8 @@ class Policy:
         out = []
         for idx in plan_micro_batches(lengths, self.micro_batch_tokens):
             width = max(lengths[i] for i in idx)
+            if self.tcfg.sequence_parallel:  # (MoE at TP > 1) the sequence is split over TP
+                width += -width % self.ps.tp_size
             toks = torch.full((len(idx), width), self.pad_id, dtype=torch.long)
             for row, i in enumerate(idx):
                 toks[row, : lengths[i]] = seqs[i]
@@ -97,6 +107,34 @@ class Policy:
                             [starts[i] for i in idx])
             )
         return out
+
+    def _plan(self, seqs: list[torch.Tensor], starts: list[int],
+              routing: list[torch.Tensor] | None = None) -> list[_MicroBatch]:
+        """This rank's micro-batches with the routes to replay (MoE, `routing` per sample) and,
+        under expert parallelism, empty micro-batches (indices []) appended up to the most any
+        data-parallel rank runs: every MoE forward is an all-to-all (actor/stage_sync.py)."""
+        mbs = self._micro_batches(seqs, starts)
+        if routing is not None:
+            for mb in mbs:
+                mb.routes = pack_routes([routing[i] for i in mb.indices], mb.lengths,
+                                        width=int(mb.tokens.shape[1]), tcfg=self.tcfg, ps=self.ps,
+                                        offsets=mb.offsets)
+        for _ in range(equal_micro_batch_count(len(mbs), self.ps) - len(mbs)):
+            mbs.append(self._empty_micro_batch())
+        return mbs
+
+    def _empty_micro_batch(self) -> _MicroBatch:
+        """Two pad tokens (one "response" token), in this policy's layout; no sample reads it."""
+        width = 2 + (-2 % self.ps.tp_size if self.tcfg.sequence_parallel or self.packed else 0)
+        tokens = torch.full((1, width), self.pad_id, dtype=torch.long, device=self.ps.device)
+        if not self.packed:
+            return _MicroBatch([], tokens, [2], [1])
+        from megatron_rl.ops import packed_seq_params
+
+        cu = torch.tensor([0, width], dtype=torch.int32, device=self.ps.device)
+        return _MicroBatch([], tokens, [2], [1], offsets=[0],
+                           positions=torch.arange(width, device=self.ps.device).unsqueeze(0),
+                           packed_seq_params=packed_seq_params(cu, width))
 
     def _packed_micro_batches(self, seqs, starts, lengths) -> list[_MicroBatch]:
         """One THD row per micro-batch, gathered from a flat ragged buffer of all sequences by
@@ -155,12 +193,14 @@ class Policy:
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
-            if mb.packed_seq_params is not None:
-                out = model(mb.tokens, mb.positions, None, packed_seq_params=mb.packed_seq_params)
-                return out, lambda logits: loss_closure(mb, logits)
-            b, s = mb.tokens.shape
-            pos = torch.arange(s, device=mb.tokens.device).unsqueeze(0).expand(b, s)
-            out = model(mb.tokens, pos, None)
+            with replay(self.module, mb.routes):  # R3: the engine's experts (None: the router's)
+                if mb.packed_seq_params is not None:
+                    out = model(mb.tokens, mb.positions, None,
+                                packed_seq_params=mb.packed_seq_params)
+                    return out, lambda logits: loss_closure(mb, logits)
+                b, s = mb.tokens.shape
+                pos = torch.arange(s, device=mb.tokens.device).unsqueeze(0).expand(b, s)
+                out = model(mb.tokens, pos, None)
             return out, lambda logits: loss_closure(mb, logits)
 
         return get_forward_backward_func()(
@@ -177,11 +217,13 @@ class Policy:
     @torch.no_grad()
     def logprobs(
         self, seqs: list[torch.Tensor], starts: list[int], temperature: float = 1.0,
-        with_entropy: bool = False,
-    ) -> tuple[list[torch.Tensor] | None, list[torch.Tensor] | None]:
-        """Response log-probs per sample ([len_i - start_i] fp32, on CPU). None off the last PP stage."""
+        with_entropy: bool = False, routing: list[torch.Tensor] | None = None,
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        """Response log-probs per sample ([len_i - start_i] fp32, on CPU), on every pipeline
+        stage (broadcast from the last). routing: per-sample routed experts to replay (MoE R3,
+        actor/routing_replay.py), None to route afresh."""
         self.model.eval()
-        mbs = self._micro_batches(seqs, starts)
+        mbs = self._plan(seqs, starts, routing)
         lps: list = [None] * len(seqs)
         ents: list = [None] * len(seqs)
 
@@ -193,23 +235,27 @@ class Policy:
             return logits.new_zeros(()), {}
 
         self._run(mbs, forward_only=True, loss_closure=closure)
-        if not self.ps.is_last_stage:
-            return None, None
-        return lps, (ents if with_entropy else None)
+        sizes = [int(s.numel()) - p for s, p in zip(seqs, starts)]
+        lps = from_last_stage(lps, sizes, self.ps)
+        return lps, (from_last_stage(ents, sizes, self.ps) if with_entropy else None)
 
     def train_mini_batch(
         self, seqs: list[torch.Tensor], starts: list[int], loss_fn: LossFn,
         temperature: float = 1.0, with_entropy: bool = False,
+        routing: list[torch.Tensor] | None = None,
     ) -> dict:
-        """One optimizer step over a mini-batch. Returns averaged metrics (+ grad_norm, lr)."""
+        """One optimizer step over a mini-batch. Returns this rank's summed metric parts (the
+        last pipeline stage's, on every stage) + grad_norm, lr. routing: as in `logprobs`."""
         assert self.optimizer is not None, "frozen policy (no optimizer) cannot train"
         self.model.train()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        mbs = self._micro_batches(seqs, starts)
+        mbs = self._plan(seqs, starts, routing)
         scale = len(mbs) * self.ps.dp_size  # undo Megatron's 1/num_microbatches and DP average
 
         def closure(mb, logits):
+            if not mb.indices:  # an empty micro-batch (expert parallel count padding)
+                return logits.sum() * 0.0, {}
             lp, ent = self._response_logprobs(logits, mb, temperature, with_entropy)
             loss, metrics = loss_fn(mb.indices, lp, ent)
             metrics = {k: torch.as_tensor(v, dtype=torch.float32).detach() for k, v in metrics.items()}
@@ -223,6 +269,7 @@ class Policy:
         for out in outputs or []:  # sum over micro-batches (loss_fn reports additive parts)
             for k, v in out.items():
                 metrics[k] = metrics.get(k, 0.0) + float(v)
+        metrics = metrics_from_last_stage(metrics, self.ps)
         metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else math.nan
         metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
         metrics["update_skipped"] = float(not update_ok)
@@ -232,7 +279,9 @@ class Policy:
                    temperature: float) -> dict:
         """`epochs` passes of `mini_batches` optimizer steps over one rollout's TrainBatch.
         make_loss(mini_batch, global_num_tokens, global_num_seqs) -> LossFn. Returns the metrics
-        averaged over the optimizer steps taken."""
+        averaged over the optimizer steps taken, the loss parts summed over the data-parallel
+        ranks (the global mini-batch values, the same on every rank). MoE: the batch's
+        `routed_experts` are replayed when present (R3)."""
         totals: dict[str, float] = {}
         steps = 0
         for _ in range(epochs):
@@ -242,11 +291,12 @@ class Policy:
                 m = self.train_mini_batch(
                     [mb.input_ids(i) for i in range(len(mb))], [len(p) for p in mb.prompt_ids],
                     make_loss(mb, n_tok, n_seq), temperature=temperature, with_entropy=True,
+                    routing=getattr(mb, "routed_experts", None),
                 )
                 for k, v in m.items():
                     totals[k] = totals.get(k, 0.0) + v
                 steps += 1
-        return {k: v / steps for k, v in totals.items()}
+        return dp_sum_parts({k: v / steps for k, v in totals.items()}, self.ps)
 
     def dp_sum(self, x: float) -> float:
         """Sum of a host number over the data-parallel ranks (on the group's device)."""

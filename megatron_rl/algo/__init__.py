@@ -11,7 +11,12 @@ places under the recipe and the command-line overrides (`megatron_rl.recipe`), s
 - rloo:   leave-one-out baseline (Ahmadian et al. 2024).
 - dapo:   grpo + clip-higher 0.28 + dual clip 10 + token-mean + dynamic sampling + reward +1/-1
           (Yu et al. 2025; the overlong buffer depends on the response length: left to the recipe).
-Diffusion-LM algorithms register here with kind="diffusion".
+- d1, coupled_grpo, spg, bgpo, vrpo: diffusion LMs (docs/algorithms.md C.5; one file each under
+  algo/dllm/), GRPO std-normalized advantages (C.4 item 5), their C.6 defaults.
+
+`build_learner` gives the loop its update by model kind (actor/learner.py): the autoregressive
+learner scores token log-probs and runs `loss`; the diffusion learner stores the objective's
+corruptions and runs `objective(cfg.algorithm)` (algo/dllm/configure.py).
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ from typing import Literal
 import torch
 
 from megatron_rl.algo.advantages import grpo_advantages, rloo_advantages
+from megatron_rl.algo.dllm import bgpo, coupled_grpo, d1, spg, vrpo
+from megatron_rl.algo.dllm.configure import build_objective
 from megatron_rl.algo.losses import make_loss_fn
 
 
@@ -35,10 +42,28 @@ class Algorithm:
     """fn(rewards_N, group_ids_N, **options) -> advantages_N."""
     uses_std: bool
     """The estimator takes `norm_by_std` (algorithm.norm_adv_by_std)."""
-    loss: Callable = make_loss_fn
-    """Loss callback factory: fn(batch, global_tokens, global_seqs, *, cfg, norm_len)."""
+    loss: Callable | None = make_loss_fn
+    """Autoregressive: loss callback factory fn(batch, global_tokens, global_seqs, *, cfg,
+    norm_len); None for diffusion LMs (their loss is the `objective`'s)."""
     defaults: dict[str, object] = field(default_factory=dict)
     """Dotted config values this algorithm implies (under the recipe and overrides)."""
+    objective: Callable | None = None
+    """Diffusion LMs: fn(AlgorithmConfig) -> its `DiffusionObjective` (algo/dllm/configure.py)."""
+
+    def build_learner(self, cfg, policy, src, ps):
+        """The update of one RL step for this algorithm's model kind (actor/learner.py); builds
+        pi_ref when the algorithm reads it."""
+        from megatron_rl.actor.learner import ARLearner, DiffusionLearner
+
+        cls = DiffusionLearner if self.kind == "diffusion" else ARLearner
+        return cls(self, cfg, policy, src, ps)
+
+    def check(self, cfg, hf_config: dict) -> None:
+        """Refusals that need the model's config.json, before the model is built."""
+        if self.kind == "diffusion":
+            from megatron_rl.algo.dllm.configure import check_setup
+
+            check_setup(cfg, hf_config)
 
     def advantages(self, cfg, rewards_N: torch.Tensor, group_ids_N: torch.Tensor) -> torch.Tensor:
         """Advantages under `AlgorithmConfig` cfg (norm_adv_by_std None: True)."""
@@ -66,6 +91,15 @@ ALGORITHMS: dict[str, Algorithm] = {
         },
     ),
 }
+
+
+def _diffusion(module) -> Algorithm:
+    return Algorithm(kind="diffusion", estimator=grpo_advantages, uses_std=True, loss=None,
+                     objective=build_objective, defaults=dict(module.DEFAULTS))
+
+
+ALGORITHMS.update({name: _diffusion(m) for name, m in (
+    ("d1", d1), ("coupled_grpo", coupled_grpo), ("spg", spg), ("bgpo", bgpo), ("vrpo", vrpo))})
 
 
 def get_algorithm(name: str) -> Algorithm:

@@ -10,6 +10,9 @@
 - `kl_penalty`: k1 and k3 ("low_var_kl") estimators of KL(pi_theta || pi_ref).
 - `entropy_from_logits`: per-token entropy, chunked over tokens so a 150k vocabulary does not
   materialize a second full-size fp32 copy of the logits.
+- `importance_weights`: the rollout correction (docs/algorithms.md F.14): truncated (TIS) or
+  masked (MIS) importance weights from rho = pi_old / pi_rollout, per token or per sequence;
+  `mismatch_metrics`: the engine-vs-actor mismatch (KL, rho, the fraction corrected).
 - `policy_loss`: all of the above from a `PolicyLossInput`, returning a `PolicyLossOutput`.
 - `make_loss_fn`: the actor's loss callback for one mini-batch of a `TrainBatch` (pads the
   micro-batch's samples and calls `policy_loss` with the mini-batch's global normalizers).
@@ -45,6 +48,8 @@ class PolicyLossInput:
     """Log-probs under pi_ref; needed when kl_coef > 0."""
     entropy_BT: torch.Tensor | None = None  # noqa: N815 (shape suffix)
     """Per-token entropy (`entropy_from_logits`); needed when entropy_coef != 0, else a metric."""
+    rollout_logprobs_BT: torch.Tensor | None = None  # noqa: N815 (shape suffix)
+    """Log-probs under the engine's sampling policy; needed by a rollout correction."""
 
 
 @dataclass(kw_only=True)
@@ -171,6 +176,84 @@ def entropy_from_logits(logits_NV: torch.Tensor, chunk_size: int = 1024) -> torc
     return torch.cat(out).reshape(lead_shape) if out else flat_NV.new_zeros(lead_shape).float()
 
 
+def _rollout_log_ratio(old_logprobs_BT, rollout_logprobs_BT, mask_BT, level: str):
+    """log rho = log pi_old - log pi_rollout per token, or its sum over each sequence broadcast
+    to the sequence's tokens (level=sequence); 0 on padding; clamped to [-20, 20] like the PPO
+    ratio so one bad token cannot give inf."""
+    mask = mask_BT.to(old_logprobs_BT.dtype)
+    log_rho_BT = (old_logprobs_BT - rollout_logprobs_BT) * mask
+    if level == "sequence":
+        log_rho_BT = log_rho_BT.sum(-1, keepdim=True).expand_as(log_rho_BT) * mask
+    elif level != "token":
+        raise ValueError(f"algorithm.rollout_correction.level: unknown {level!r} (token | sequence)")
+    return log_rho_BT.clamp(-20.0, 20.0)
+
+
+def importance_weights(
+    old_logprobs_BT: torch.Tensor,
+    rollout_logprobs_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    *,
+    mode: str,
+    level: str = "token",
+    threshold: float = 2.0,
+    threshold_low: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rollout-correction weights w [B, T] (no gradient) and the [B, T] bool "corrected" flags
+    (truncated or masked), from rho = pi_old / pi_rollout (docs/algorithms.md F.14):
+        tis: w = min(rho, threshold)
+        mis: w = rho if threshold_low <= rho <= threshold else 0
+        none: w = 1 (flags: tokens whose rho lies beyond `threshold`, for the metrics)
+    rho is per token (level=token) or the product over the sequence (level=sequence, one
+    weight per sequence). Padding gets w = 0 and no flag."""
+    with torch.no_grad():
+        mask = mask_BT.bool()
+        rho_BT = _rollout_log_ratio(old_logprobs_BT.float(), rollout_logprobs_BT.float(), mask,
+                                    level).exp()
+        if mode == "tis":
+            flags = rho_BT > threshold
+            w_BT = rho_BT.clamp(max=threshold)
+        elif mode == "mis":
+            flags = (rho_BT > threshold) | (rho_BT < threshold_low)
+            w_BT = rho_BT.masked_fill(flags, 0.0)
+        elif mode == "none":
+            flags = rho_BT > threshold
+            w_BT = torch.ones_like(rho_BT)
+        else:
+            raise ValueError(f"algorithm.rollout_correction.mode: unknown {mode!r} "
+                             "(none | tis | mis)")
+        return w_BT * mask, flags & mask
+
+
+def mismatch_metrics(old_logprobs: list[torch.Tensor], rollout_logprobs: list[torch.Tensor],
+                     rc) -> dict[str, float]:
+    """The engine-vs-actor mismatch of one batch (per-sample [L_i] log-probs; `rc` a
+    RolloutCorrectionConfig), token means over the batch: mismatch_kl (k3 estimate of
+    KL(pi_rollout || pi_old) on the engine's samples), mismatch_k1 (mean log pi_rollout -
+    log pi_old), rho_mean / rho_max at rc.level, weight_mean (the correction's mean weight; 1
+    without one) and clipfrac (fraction of tokens truncated or masked -- for mode=none, beyond
+    rc.threshold)."""
+    from megatron_rl.types import pad_ragged
+
+    old_BT, roll_BT = pad_ragged(old_logprobs).float(), pad_ragged(rollout_logprobs).float()
+    mask_BT = pad_ragged([torch.ones(len(x), dtype=torch.bool) for x in old_logprobs], False)
+    n = mask_BT.sum().clamp(min=1)
+    log_r = ((old_BT - roll_BT) * mask_BT).clamp(-20.0, 20.0)  # log pi_old / pi_rollout
+    rho_BT = _rollout_log_ratio(old_BT, roll_BT, mask_BT, rc.level).exp()
+    w_BT, flags = importance_weights(old_BT, roll_BT, mask_BT, mode=rc.mode, level=rc.level,
+                                     threshold=rc.threshold, threshold_low=rc.threshold_low)
+
+    def mean(x_BT):
+        return float((x_BT.float() * mask_BT).sum() / n)
+
+    return {"rollout_correction/mismatch_kl": mean(log_r.exp() - 1.0 - log_r),
+            "rollout_correction/mismatch_k1": mean(-log_r),
+            "rollout_correction/rho_mean": mean(rho_BT),
+            "rollout_correction/rho_max": float(rho_BT.masked_fill(~mask_BT, 0).max()),
+            "rollout_correction/weight_mean": mean(w_BT),
+            "rollout_correction/clipfrac": mean(flags)}
+
+
 def policy_loss(
     inp: PolicyLossInput,
     *,
@@ -184,9 +267,13 @@ def policy_loss(
     global_num_tokens: float | None = None,
     global_num_seqs: float | None = None,
     norm_len: int | None = None,
+    rollout_correction=None,
 ) -> PolicyLossOutput:
     """PPO-clip policy loss (+ KL to the reference, - entropy bonus) of one micro-batch. The
-    keyword arguments mirror `AlgorithmConfig`; see `aggregate` for the normalizers."""
+    keyword arguments mirror `AlgorithmConfig`; see `aggregate` for the normalizers.
+    rollout_correction (a RolloutCorrectionConfig, or None): with mode tis / mis each token's
+    clipped surrogate is multiplied by its `importance_weights` (inp.rollout_logprobs_BT needed);
+    the KL and entropy terms are not reweighted."""
     agg_kwargs = dict(
         mode=loss_agg_mode,
         global_num_tokens=global_num_tokens,
@@ -202,6 +289,16 @@ def policy_loss(
         clip_ratio_high=clip_ratio_high,
         clip_ratio_c=clip_ratio_c,
     )
+    rc = rollout_correction
+    is_weights_BT = None
+    if rc is not None and rc.mode != "none":
+        if inp.rollout_logprobs_BT is None:
+            raise ValueError(f"algorithm.rollout_correction.mode={rc.mode} needs the engine's "
+                             "log-probs (rollout_logprobs_BT); the engine returned none")
+        is_weights_BT, is_flags = importance_weights(
+            inp.old_logprobs_BT, inp.rollout_logprobs_BT, mask_BT, mode=rc.mode, level=rc.level,
+            threshold=rc.threshold, threshold_low=rc.threshold_low)
+        loss_BT = loss_BT * is_weights_BT.to(loss_BT.dtype)
     pg_loss = aggregate(loss_BT, mask_BT, **agg_kwargs)
     zero = pg_loss.new_zeros(())
     kl_loss = entropy = zero
@@ -241,6 +338,9 @@ def policy_loss(
             metrics["ref_kl"] = mean(kl_penalty(inp.logprobs_BT, inp.ref_logprobs_BT, kl_estimator))
         if inp.entropy_BT is not None:
             metrics["entropy"] = mean(inp.entropy_BT)
+        if is_weights_BT is not None:
+            metrics["is_weight_mean"] = mean(is_weights_BT)
+            metrics["is_clipfrac"] = mean(is_flags)
     return PolicyLossOutput(
         loss=loss, pg_loss=pg_loss, kl_loss=kl_loss, entropy=entropy, metrics=metrics
     )
@@ -263,6 +363,8 @@ def make_loss_fn(batch, global_tokens: float, global_seqs: float, *, cfg, norm_l
                 mask_BT=pad["mask_BT"].to(device),
                 ref_logprobs_BT=pad["ref_logprobs_BT"].to(device)
                 if pad.get("ref_logprobs_BT") is not None else None,
+                rollout_logprobs_BT=pad["rollout_logprobs_BT"].to(device)
+                if "rollout_logprobs_BT" in pad else None,
                 entropy_BT=torch.nn.utils.rnn.pad_sequence(entropy, batch_first=True)
                 if entropy[0] is not None else None,
             ),
@@ -270,6 +372,7 @@ def make_loss_fn(batch, global_tokens: float, global_seqs: float, *, cfg, norm_l
             clip_ratio_c=cfg.clip_ratio_c, loss_agg_mode=cfg.loss_agg_mode, kl_coef=cfg.kl_coef,
             kl_estimator=cfg.kl_estimator, entropy_coef=cfg.entropy_coef,
             global_num_tokens=global_tokens, global_num_seqs=global_seqs, norm_len=norm_len,
+            rollout_correction=getattr(cfg, "rollout_correction", None),
         )
         share = float(out.metrics["num_tokens"]) / global_tokens  # token-weighted metric parts
         metrics = {f"actor/{k}": v * share for k, v in out.metrics.items() if k != "num_tokens"}
@@ -277,3 +380,28 @@ def make_loss_fn(batch, global_tokens: float, global_seqs: float, *, cfg, norm_l
         return out.loss, metrics
 
     return loss_fn
+
+
+BUILT_IN_ENGINES = ("auto", "local", "diffusion")
+"""rollout.engine values that generate on the actor's own weights (no mismatch beyond rounding)."""
+
+
+def mismatch_metrics_on(cfg) -> bool:
+    """Whether the loop logs `mismatch_metrics` (RLConfig cfg; see its `metrics` field)."""
+    rc = cfg.algorithm.rollout_correction
+    if rc.metrics is not None:
+        return rc.metrics
+    return rc.mode != "none" or cfg.rollout.engine not in BUILT_IN_ENGINES
+
+
+def check_rollout_correction(cfg, hf_config: dict, kind: str) -> None:
+    """Refuse, before the model is built, a rollout correction the run cannot apply."""
+    rc = cfg.algorithm.rollout_correction
+    if kind != "autoregressive" and (rc.mode != "none" or rc.routing_replay):
+        field_ = "mode" if rc.mode != "none" else "routing_replay"
+        raise ValueError(
+            f"config field `algorithm.rollout_correction.{field_}`: the rollout correction is "
+            f"implemented for autoregressive LMs; the model is a {kind} LM")
+    from megatron_rl.actor.routing_replay import check_setup
+
+    check_setup(cfg, hf_config)

@@ -6,6 +6,10 @@ reason, policy version, metadata, and extra per-sample fields the step adds (DAR
 class, DARTS end, ...). `megatron-rl report` and `megatron-rl inspect` read it through
 `megatron_rl.data.store_reader.RolloutReader`.
 
+Why this file passes 450 lines: the writer's layout, its crash-safe commit record and its
+resume truncation are one invariant (every array's length after the last complete step); split
+across files, the rule that keeps them in step would live in none of them.
+
 Layout: 1-D arrays, each in one row space. Ragged fields are `<path>/values` plus `<path>/ends`
 (cumulative end offsets: row i is values[ends[i-1]:ends[i]]); strings are UTF-8 bytes.
 

@@ -335,8 +335,10 @@ class FlexSDPAttention(FlexAttention):
                 attention_bias,
                 packed_seq_params,
             )
-        needs_grad = torch.is_grad_enabled() and query.requires_grad
-        if query.device.type == "cpu" and needs_grad and packed_seq_params is not None:
+        if query.device.type == "cpu" and packed_seq_params is not None:
+            # CPU: flex has no backward, and its eager forward (a BlockMask built per layer,
+            # mask_mod under vmap) was several times slower than SDPA on the materialized mask
+            # in the RL scoring passes; one path for both keeps old and replayed log-probs equal.
             return self._cpu_packed(
                 query, key, value, attention_mask, attn_mask_type, packed_seq_params
             )
@@ -345,8 +347,8 @@ class FlexSDPAttention(FlexAttention):
         )
 
     def _cpu_packed(self, query, key, value, attention_mask, attn_mask_type, p):
-        """CPU training (no flex backward): the mask_mod evaluated once on broadcast index
-        grids (its ops are elementwise gathers) -- much cheaper than create_mask's vmap."""
+        """CPU packed batches (training and scoring): the mask_mod evaluated once on broadcast
+        index grids (its ops are elementwise gathers) -- much cheaper than create_mask's vmap."""
         if query.dim() == 4:
             query, key, value = query.squeeze(1), key.squeeze(1), value.squeeze(1)
         t, hq, d = query.shape

@@ -9,8 +9,10 @@
 and recomputation; `layer_specs()` builds the per-layer ModuleSpecs with the chosen core
 attention (models.attention) and norms that work under sequence parallelism (models.norm).
 Sequence parallelism is switched on for MoE models with TP > 1 (Megatron requires it to train
-them); inputs then need a sequence length divisible by TP. MoE experts are Megatron's
-SequentialMLP or our grouped-GEMM `GroupedExperts` (`moe_experts`, models.moe_experts).
+them); inputs then need a sequence length divisible by TP. MoE routers carry Megatron's
+RouterReplay state (`moe_enable_routing_replay`; routing is unchanged until actor/routing_replay.py
+sets an action on it). MoE experts are Megatron's SequentialMLP or our grouped-GEMM
+`GroupedExperts` (`moe_experts`, models.moe_experts).
 Kept in one file so that a megatron-core upgrade (0.19 deprecates GPTModel) touches one place.
 """
 
@@ -113,6 +115,8 @@ def transformer_config(
         attention_softmax_in_fp32=True,
         **RECOMPUTE[recompute],
     )
+    if moe:  # Megatron's RouterReplay objects, idle unless actor/routing_replay.py drives them
+        kwargs["moe_enable_routing_replay"] = True
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
 

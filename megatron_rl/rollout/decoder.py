@@ -65,8 +65,11 @@ class LeanDecoder:
         self.tp = ps.pgs.tp if ps.tp_size > 1 else None
         self.moe = cfg.num_moe_experts is not None
         if self.moe and (ps.tp_size > 1 or ps.ep_size > 1):
-            raise ValueError("the built-in engine decodes MoE models only at TP = EP = 1 "
-                             "(parallel.tensor/expert_model_parallel_size); use rollout.engine=sglang")
+            raise ValueError(
+                "config field `rollout.engine`: the built-in engine does not support MoE models at "
+                f"tensor or expert parallel > 1 (parallel.tensor_model_parallel_size={ps.tp_size}, "
+                f"expert_model_parallel_size={ps.ep_size}); it decodes MoE only at TP = EP = 1. "
+                "Use an external engine (rollout.engine=sglang or vllm)")
         if getattr(cfg, "multi_latent_attention", False):
             raise ValueError("multi-latent attention is not supported by the built-in engine")
         if not (cfg.gated_linear_unit and cfg.activation_func is F.silu):

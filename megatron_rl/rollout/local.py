@@ -18,7 +18,10 @@ Two decoders behind the same `generate`:
 Both sample the same way: temperature, top-k, top-p; stop token ids and stop strings;
 `max_new_tokens`; the per-token log-prob of each sampled token is that of the temperature-scaled
 policy (before top-k/top-p truncation), which is what the actor recomputes as pi_old.
-Pipeline parallelism is not supported by this engine (a clear error); use SGLang for PP > 1.
+Pipeline parallelism is not supported by this engine, nor MoE models at tensor or expert
+parallel > 1 (clear errors); use an external engine (SGLang, vLLM) for those layouts. For MoE
+routing replay (R3) the lean decoder records the experts each fed token was routed to
+(`record_routing`, actor/routing_replay.py `EngineRoutes`).
 
 Why one file over 450 lines: the two decoders share the sampling, stop and abort rules and the
 continuous-batching bookkeeping; split apart, each half would re-state them.
@@ -29,11 +32,13 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from collections.abc import Iterable
+from functools import partial
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_rl.actor.routing_replay import EngineRoutes
 from megatron_rl.parallel import ParallelState
 from megatron_rl.rollout.decoder import LeanDecoder, length_bucket
 from megatron_rl.rollout.engine import SamplingParams
@@ -87,14 +92,22 @@ class LocalEngine:
         decoder: str = "auto",
         cuda_graphs: bool | None = None,
         prefill_tokens: int = 65536,
+        record_routing: bool = False,
     ):
         """decoder: auto | lean | megatron (see the module docstring); cuda_graphs: None = on
-        for dense models on CUDA; prefill_tokens: most (padded) prompt tokens per prefill."""
+        for dense models on CUDA; prefill_tokens: most (padded) prompt tokens per prefill;
+        record_routing: MoE, lean decoder: every Sample carries the experts its tokens were
+        routed to (`Sample.routed_experts`, for the actor's routing replay)."""
         if ps.pp_size > 1:
             raise ValueError(
                 "config field `rollout.engine`: the built-in engine does not support pipeline "
-                "parallelism (parallel.pipeline_model_parallel_size > 1); use rollout.engine=sglang"
+                f"parallelism (parallel.pipeline_model_parallel_size={ps.pp_size}); use an "
+                "external engine (rollout.engine=sglang or vllm)"
             )
+        if record_routing and (module.config.num_moe_experts is None or decoder == "megatron"):
+            raise ValueError(
+                "config field `algorithm.rollout_correction.routing_replay`: the built-in engine "
+                "records routing for MoE models on its lean decoder only (decoder=auto | lean)")
         if decoder not in ("auto", "lean", "megatron"):
             raise ValueError(f"LocalEngine decoder: {decoder!r} not in auto | lean | megatron")
         self.module = module
@@ -108,6 +121,8 @@ class LocalEngine:
         self.policy_version = 0
         self.decoder_kind = "lean" if decoder == "auto" else decoder
         self.prefill_tokens = prefill_tokens
+        self.keep_graphs = True
+        self.record_routing = record_routing
         self._lean = LeanDecoder(module, ps, cuda_graphs) if self.decoder_kind == "lean" else None
         self._exp_race = None
 
@@ -116,8 +131,11 @@ class LocalEngine:
         self._aborted.update(sample_ids)
 
     def sleep(self) -> None:
-        """Free the KV cache and CUDA graphs (the weights are the actor's and stay)."""
-        if self._lean is not None:
+        """Free the KV cache and CUDA graphs (the weights are the actor's and stay) -- unless
+        `keep_graphs` and graphs were captured: then both stay, so the next rollout replays the
+        same graphs instead of re-capturing them (the optimizer updates the weights in place, so
+        the captured pointers stay valid; the cache's memory stays held during training)."""
+        if self._lean is not None and not (self.keep_graphs and self._lean.has_graphs):
             self._lean.release()
 
     def wake(self) -> None:  # the cache is re-allocated by the next `generate`
@@ -323,6 +341,7 @@ class LocalEngine:
         dec.check_weights()
         dec.allocate(B, length_bucket(max(len(p) for p in requests) + max_new, 1 << 30))
         ids = [f"s{next(self._ids)}" for _ in range(n_req)]
+        routes = EngineRoutes(self.module, B, dec.max_len, dev) if self.record_routing else None
         gen_tok = torch.zeros(B, max_new, dtype=torch.long, device=dev)
         gen_lp = torch.zeros(B, max_new, dtype=torch.float32, device=dev)
         count_dev = torch.zeros(B, dtype=torch.long, device=dev)
@@ -347,6 +366,9 @@ class LocalEngine:
                 finish_reason=reason,
                 sample_id=ids[r],
                 policy_version=self.policy_version,
+                # the fed tokens: the prompt and all but the last (never fed) response token
+                routed_experts=None if routes is None else routes.take(
+                    slot, len(requests[r]) + k - 1),
             )
             slot_req[slot] = -1
             if counters is not None:  # DARTS: finishing order decides (B.3); aborted = pruned
@@ -418,7 +440,11 @@ class LocalEngine:
                 for i, r in enumerate(chunk):
                     ids_t[i, : len(requests[r])] = torch.tensor(requests[r])
                 lengths = [len(requests[r]) for r in chunk]
-                logits = dec.prefill(ids_t, lengths, slots.tolist())
+                if routes is None:
+                    logits = dec.prefill(ids_t, lengths, slots.tolist())
+                else:
+                    logits = routes.prefill(partial(dec.prefill, ids_t, lengths, slots.tolist()),
+                                            slots.tolist(), P)
                 tokens, lp = self._sample(logits, sp)
                 st = torch.as_tensor(slots, device=dev)
                 gen_tok[st, 0], gen_lp[st, 0] = tokens, lp
@@ -440,7 +466,11 @@ class LocalEngine:
                 refill(free)
                 continue  # a refill can finish samples at once (stop token, max_new == 1)
             act = np.flatnonzero(slot_req >= 0)
-            logits = dec.decode(length_bucket(int(pos[act].max()) + 1, dec.max_len))
+            kv_len = length_bucket(int(pos[act].max()) + 1, dec.max_len)
+            if routes is None:
+                logits = dec.decode(kv_len)
+            else:
+                logits = routes.decode(partial(dec.decode, kv_len), dec.positions)
             tokens, lp = self._sample(logits, sp)
             col = count_dev.clamp(max=max_new - 1)
             gen_tok[slot_ix, col], gen_lp[slot_ix, col] = tokens, lp
@@ -457,5 +487,9 @@ class LocalEngine:
 def build(ctx) -> LocalEngine:
     """The `local` entry of rollout.ENGINES."""
     tok = ctx.tokenizer
-    return LocalEngine(ctx.module, ctx.ps, pad_id=tok.pad_token_id or 0, tokenizer=tok,
-                       max_batch_size=ctx.cfg.rollout.max_batch_size, seed=ctx.seed)
+    rc = getattr(getattr(ctx.cfg, "algorithm", None), "rollout_correction", None)
+    engine = LocalEngine(ctx.module, ctx.ps, pad_id=tok.pad_token_id or 0, tokenizer=tok,
+                         max_batch_size=ctx.cfg.rollout.max_batch_size, seed=ctx.seed,
+                         record_routing=bool(rc is not None and rc.routing_replay))
+    engine.keep_graphs = ctx.cfg.rollout.keep_decode_graphs
+    return engine

@@ -5,8 +5,8 @@ import sys
 
 import pytest
 
-from megatron_rl.recipe import load_config, split_config_args
 from megatron_rl.config import RLConfig, SFTConfig
+from megatron_rl.recipe import load_config, split_config_args
 
 
 def test_quickstart_recipes_load_with_overrides():

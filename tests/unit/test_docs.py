@@ -120,7 +120,9 @@ def _shim_numbers(design_text: str) -> set[int]:
 
 
 def _citing_files(texts: dict[Path, str]) -> dict[Path, str]:
-    return {p: t for p, t in texts.items() if p.suffix in CITING_SUFFIXES}
+    # This file quotes the citation patterns themselves; it cites nothing.
+    return {p: t for p, t in texts.items()
+            if p.suffix in CITING_SUFFIXES and p.resolve() != Path(__file__).resolve()}
 
 
 def test_docs_exist():

@@ -85,9 +85,11 @@ def main() -> None:
     else:
         cfg = RLConfig(
             data=DataConfig(train_batch_size=16, num_train_examples=512, num_val_examples=32),
-            rollout=RolloutConfig(n=8, max_new_tokens=8),
+            rollout=RolloutConfig(n=8, max_new_tokens=8,
+                                  keep_decode_graphs=not args.no_keep_graphs),
             trainer=TrainerConfig(total_steps=args.steps or 5, output_dir=out, tensorboard=False,
-                                  progress_bar=False, num_eval_examples=32),
+                                  progress_bar=False, num_eval_examples=32,
+                                  micro_batch_layout=args.layout),
         )
     result = train.run(cfg)
     name = "rl_step_peer" if args.peer else "rl_step"

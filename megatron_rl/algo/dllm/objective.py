@@ -173,4 +173,5 @@ def token_ppo_loss(
         clip_ratio_c=clip_ratio_c, loss_agg_mode="token-mean", kl_coef=kl_coef,
         kl_estimator=kl_estimator, global_num_tokens=normalizer,
     )
-    return out.loss, {"pg_loss": float(out.pg_loss), "kl_loss": float(out.kl_loss), **out.metrics}
+    return out.loss, {"pg_loss": float(out.pg_loss.detach()), "kl_loss": float(out.kl_loss.detach()),
+                      **out.metrics}

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# One device call on the H200: bring the wheels in, build csrc, then run the benchmarks named on
+# the command line in order (each one's JSON lines go to $OUT/results.jsonl, its log to $OUT/log).
+#   bash tools/bench/h200_session.sh peer_packed peer_padded moe trl
+set -uo pipefail
+OUT="${OUT:-/tmp/h200_out}"; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+t0=$(date +%s)
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/*.whl >>"$OUT/log" 2>&1 || { echo "wheel install failed"; exit 1; }
+export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-}
+TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 python3 setup.py build_ext --inplace >>"$OUT/log" 2>&1 \
+  || { echo "csrc build failed"; tail -30 "$OUT/log"; exit 1; }
+echo "[h200] setup done in $(( $(date +%s) - t0 )) s"
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+run() {  # name, command...
+  local name=$1; shift
+  local s=$(date +%s)
+  echo "[h200] $name: $*"
+  "$@" 2>>"$OUT/log" | tee -a "$OUT/log" | grep '^{' >>"$OUT/results.jsonl"
+  echo "[h200] $name done in $(( $(date +%s) - s )) s (rc ${PIPESTATUS[0]})"
+}
+for stage in "$@"; do
+  case $stage in
+    peer_packed) run "$stage" python3 tools/bench/rl_step.py --peer --layout packed ;;
+    peer_padded) run "$stage" python3 tools/bench/rl_step.py --peer --layout padded ;;
+    peer_nographs) run "$stage" python3 tools/bench/rl_step.py --peer --layout packed --no-keep-graphs ;;
+    moe) run "$stage" python3 tools/bench/actor.py --shape 30b-a3b-cut --backend auto --recompute none \
+           --experts grouped --experts sequential --steps 4 --warmup 2 ;;
+    actor) run "$stage" python3 tools/bench/actor.py --shape 1.7b --backend auto --recompute none ;;
+    trl) run "$stage" python3 tools/bench/trl_grpo_peer.py --steps 7 ;;
+    weight_sync) run "$stage" python3 tools/bench/weight_sync.py ;;
+    gpu_tests) run "$stage" python3 -m pytest -m gpu tests -q -x ;;
+    *) echo "unknown stage $stage"; exit 2 ;;
+  esac
+done
+echo "[h200] total $(( $(date +%s) - t0 )) s"
