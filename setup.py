@@ -60,6 +60,8 @@ setup(
     description="RL post-training for LLMs and diffusion LLMs on Megatron-Core",
     python_requires=">=3.10",
     packages=find_packages(include=["megatron_rl", "megatron_rl.*"]),
+    # `megatron-rl plan --model NAME` reads the model shapes shipped in megatron_rl/shapes/
+    package_data={"megatron_rl": ["shapes/*.json"]},
     ext_modules=ext_modules,
     cmdclass=cmdclass,
     install_requires=[

@@ -7,6 +7,8 @@ seconds and names the file or the field.
   download fails here, naming the file, not deep inside safetensors).
 - `check_model_fit(cfg, src)`: the tokenizer fits the model's vocabulary, prompts plus
   responses fit its positions; `check_split(src, ps)`: the model splits over the layout.
+- `check_outputs_available(trainer, rl)`: the packages the run's outputs need (wandb for
+  trainer.wandb, zarr for the RL rollout store) import.
 
     src = resolve_source(cfg)        # check_model_files + actor.loading.resolve_model
     check_model_fit(cfg, src)
@@ -84,6 +86,19 @@ def resolve_source(cfg):
     check_model_files(tr.init_from or cfg.model.path,
                       "trainer.init_from" if tr.init_from else "model.path")
     return resolve_model(cfg.model, tr.init_from)
+
+
+def check_outputs_available(trainer, *, rl: bool) -> None:
+    """The packages the enabled outputs need are importable, refused naming the field."""
+    import importlib.util
+
+    needs = [("wandb", trainer.wandb, "trainer.wandb=true", "pip install 'megatron-rl[tracking]'"),
+             ("zarr", rl and trainer.rollout_store, "trainer.rollout_store=true (the default)",
+              "pip install 'zarr>=3.1,<3.2', or set trainer.rollout_store=false")]
+    for module, wanted, field, fix in needs:
+        if wanted and importlib.util.find_spec(module) is None:
+            raise ImportError(f"config field `{field}` needs the `{module}` package, which is not "
+                              f"installed: {fix}")
 
 
 def check_split(src, ps) -> None:

@@ -901,6 +901,13 @@ class TrainerConfig:
     num_eval_examples: int = 200
     """Held-out prompts used per evaluation."""
 
+    eval_pass_k: list[int] = field(default_factory=list)
+    """Also report pass@k, distinct@k and utility@k (docs/algorithms.md A.9) for these k at every
+    evaluation (train's and `megatron-rl eval`'s): max(k) samples per
+    held-out prompt at the rollout's temperature, classes by `reward.diversity.equivalence`,
+    reported as `sampled/pass_at_<k>`, `sampled/distinct_at_<k>`, ... [] (default): greedy
+    pass@1 only."""
+
     resume: bool = True
     """Resume from the newest complete checkpoint in output_dir when one exists (a run of the
     same config without a checkpoint starts over in place)."""
@@ -932,6 +939,22 @@ class TrainerConfig:
     progress_bar: bool = True
     """Show a progress bar with step, reward, response length and tokens/s."""
 
+    rollout_store: bool = True
+    """RL: append every step's rollouts (prompts, responses, rewards and their terms, advantages,
+    engine and old log-probs, finish reasons, DARLING classes, DARTS decisions) to
+    `<output_dir>/rollouts.zarr`; `megatron-rl report` and `megatron-rl inspect` read it."""
+
+    wandb: bool = False
+    """Also log metrics to Weights & Biases (needs the `wandb` package: `pip install
+    .[tracking]`), under the run name `<parent>/<output_dir name>`."""
+
+    wandb_project: str = "megatron-rl"
+    """The wandb project (with trainer.wandb=true)."""
+
+    wandb_mode: Literal["offline", "online"] = "offline"
+    """offline: the wandb run is written under `<output_dir>/wandb`, no network (`wandb sync`
+    uploads it later); online: streamed to the wandb server."""
+
     def __post_init__(self):
         _check(self.total_steps >= 0, "trainer.total_steps", "must be >= 0")
         _check(self.mini_batches_per_step >= 1, "trainer.mini_batches_per_step", "must be >= 1")
@@ -941,6 +964,8 @@ class TrainerConfig:
         for name in ("save_interval", "eval_interval", "keep_last", "max_bad_steps"):
             _check(getattr(self, name) >= 0, f"trainer.{name}", "must be >= 0")
         _check(self.num_eval_examples >= 1, "trainer.num_eval_examples", "must be >= 1")
+        _check(all(k >= 1 for k in self.eval_pass_k), "trainer.eval_pass_k",
+               f"every k must be >= 1, got {self.eval_pass_k}")
         _check(bool(self.output_dir.strip()), "trainer.output_dir", "must name a folder")
 
 

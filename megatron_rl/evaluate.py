@@ -4,7 +4,8 @@ Uses the RL config schema: the weights come from `trainer.init_from` (or `model.
 held-out prompts from `data.val_files` (or the task's val split), the verifier from `reward`,
 the engine from `rollout.engine` (auto: the built-in engine of the model kind, so a diffusion
 checkpoint is decoded by its family's sampler, `rollout.diffusion`), the sampling from
-`rollout` with `rollout.val_temperature`. Prints one JSON line.
+`rollout` with `rollout.val_temperature`; `trainer.eval_pass_k=[1,4,8]` adds pass@k,
+distinct@k and utility@k at the rollout's temperature. Prints one JSON line.
 """
 
 from __future__ import annotations
@@ -12,13 +13,12 @@ from __future__ import annotations
 from megatron_rl.actor.loading import build_module, resolve_model
 from megatron_rl.config import RLConfig
 from megatron_rl.data.prompts import PromptDataset
-from megatron_rl.eval.accuracy import evaluate
+from megatron_rl.eval.accuracy import build_evaluator
 from megatron_rl.models.dllm import model_kind
 from megatron_rl.parallel import destroy_parallel, init_parallel
 from megatron_rl.recipe import config_main
 from megatron_rl.rewards import build_reward
 from megatron_rl.rollout import EngineContext, build_engine, check_engine
-from megatron_rl.rollout.engine import SamplingParams
 
 
 def run(cfg: RLConfig) -> dict:
@@ -35,9 +35,7 @@ def run(cfg: RLConfig) -> dict:
     val = PromptDataset.from_config(cfg.data, tokenizer=tok, seed=cfg.trainer.seed, split="val",
                                     dp_rank=ps.dp_rank, dp_size=ps.dp_size)
     task = "" if cfg.data.train_files else cfg.data.task
-    sampling = SamplingParams.from_config(cfg.rollout, eos_token_id=tok.eos_token_id, val=True)
-    out = evaluate(engine, val, build_reward(cfg.reward, task), tok, cfg.reward, sampling,
-                   cfg.trainer.num_eval_examples, ps)
+    out = build_evaluator(engine, val, build_reward(cfg.reward, task), tok, cfg, ps)()
     engine.close()
     destroy_parallel()
     return out

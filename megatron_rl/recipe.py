@@ -117,7 +117,9 @@ def load_config(schema_cls, recipe: str | None, overrides: list[str],
         check_keys(
             schema_cls, [o.split("=", 1)[0] for o in overrides], "the command-line overrides"
         )
-        layers.append(OmegaConf.from_dotlist(overrides))
+        # `key=` sets an empty string (OmegaConf would read it as null, which no str field takes)
+        layers.append(OmegaConf.from_dotlist([o + '""' if o.endswith("=") else o
+                                              for o in overrides]))
     if defaults is not None:
         implied = defaults(layers)
         if implied:

@@ -18,6 +18,7 @@ kind) and an HF checkpoint in `<output_dir>/final` that `trainer.init_from` of a
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
@@ -27,6 +28,7 @@ import torch
 from megatron_rl.actor.loading import build_module, resolve_model, save_hf
 from megatron_rl.actor.microbatch import plan_micro_batches
 from megatron_rl.actor.policy import build_policy
+from megatron_rl.checks import check_outputs_available
 from megatron_rl.config import RewardConfig, RLConfig, RolloutConfig, SFTConfig, SFTDiffusionConfig
 from megatron_rl.data.prompts import PromptDataset, read_rows
 from megatron_rl.eval.accuracy import evaluate
@@ -142,6 +144,7 @@ def run(cfg: SFTConfig) -> dict:
     rl_view = RLConfig(model=cfg.model, data=cfg.data,
                        rollout=RolloutConfig(diffusion=cfg.sft.diffusion.sampler))
     engine_name = check_engine(rl_view.rollout, kind)
+    check_outputs_available(tr, rl=False)  # wandb
     ps = init_parallel(cfg.parallel)
     if ps.rank == 0:
         save_resolved(cfg, tr.output_dir)
@@ -161,7 +164,9 @@ def run(cfg: SFTConfig) -> dict:
     policy = build_policy(module, tcfg, ps, cfg.optimizer, total, tr.micro_batch_tokens,
                           pad_id=tok.pad_token_id, packed=packed)
     log = MetricsLogger(tr.output_dir, total, tensorboard=tr.tensorboard,
-                        progress_bar=tr.progress_bar and ps.rank == 0)
+                        progress_bar=tr.progress_bar and ps.rank == 0, wandb=tr.wandb,
+                        wandb_project=tr.wandb_project, wandb_mode=tr.wandb_mode,
+                        config=dataclasses.asdict(cfg) if tr.wandb else None)
     order_gen = torch.Generator().manual_seed(tr.seed)
     order: list[int] = []
     losses: list[float] = []

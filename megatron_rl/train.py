@@ -16,9 +16,9 @@ can be refused is refused before the model is built (`_check_setup`).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
-from functools import partial
 
 import torch
 
@@ -26,10 +26,16 @@ from megatron_rl.actor.loading import build_module, save_hf
 from megatron_rl.actor.policy import build_policy
 from megatron_rl.algo import algorithm_defaults, get_algorithm
 from megatron_rl.algo.losses import check_rollout_correction, mismatch_metrics, mismatch_metrics_on
-from megatron_rl.checks import check_model_fit, check_split, resolve_source
+from megatron_rl.checks import (
+    check_model_fit,
+    check_outputs_available,
+    check_split,
+    resolve_source,
+)
 from megatron_rl.config import RLConfig
 from megatron_rl.data.prompts import load_prompts
-from megatron_rl.eval.accuracy import eval_seed, evaluate
+from megatron_rl.data.store_run import open_store, store_step
+from megatron_rl.eval.accuracy import build_evaluator
 from megatron_rl.metrics import MetricsLogger, Timer, dp_mean
 from megatron_rl.models.dllm import model_kind
 from megatron_rl.parallel import destroy_parallel, init_parallel
@@ -37,7 +43,6 @@ from megatron_rl.recipe import config_main
 from megatron_rl.rewards import build_reward
 from megatron_rl.rollout import ENGINES, EngineContext, build_engine, check_engine
 from megatron_rl.rollout.collect import Collector
-from megatron_rl.rollout.engine import SamplingParams
 from megatron_rl.run_dir import prepare_output_dir
 from megatron_rl.run_state import RunState, guarded_update
 from megatron_rl.types import TrainBatch, group_index
@@ -66,17 +71,17 @@ def run(cfg: RLConfig) -> dict:
                                                      seed=tr.seed * 1000 + ps.dp_rank))
     timer = Timer()
     collector = Collector(engine, reward_fn, tok, cfg, ps, timer)
-    run_eval = partial(evaluate, engine, val, reward_fn, tok, cfg.reward,
-                       SamplingParams.from_config(cfg.rollout, eos_token_id=tok.eos_token_id,
-                                                  val=True, seed=eval_seed(tr.seed, ps.dp_rank)),
-                       tr.num_eval_examples, ps)
+    run_eval = build_evaluator(engine, val, reward_fn, tok, cfg, ps)  # pass@1 (+ pass@k)
     state = {"data": data, "scheduler": policy.scheduler, "engine": engine, "collector": collector}
     run = RunState(cfg, plan, policy, src, ps, state)  # resumes plan.checkpoint (every rank's)
     start = run.step
     engine.push_weights(policy.module, start)
     batches = data.batches(cfg.data.train_batch_size)
     log = MetricsLogger(tr.output_dir, tr.total_steps, tensorboard=tr.tensorboard,
-                        progress_bar=tr.progress_bar and ps.rank == 0, resume_step=start)
+                        progress_bar=tr.progress_bar and ps.rank == 0, resume_step=start,
+                        wandb=tr.wandb, wandb_project=tr.wandb_project, wandb_mode=tr.wandb_mode,
+                        config=dataclasses.asdict(cfg) if tr.wandb else None)
+    store = open_store(cfg, ps, start, tok)  # rollouts.zarr, truncated to the resumed step
     before = run.baseline(run_eval, log)  # evaluated at step 0 only; a resume reuses it
     t_start = time.perf_counter()
     for step in range(start + 1, tr.total_steps + 1):
@@ -85,12 +90,13 @@ def run(cfg: RLConfig) -> dict:
         engine.sleep()  # free generation memory for training (colocated)
         samples = [s for g in groups for s in g.samples]              # 2. advantages
         rewards = torch.tensor([s.reward for s in samples])
-        batch = TrainBatch.from_samples(
-            samples, algo.advantages(cfg.algorithm, rewards, group_index(samples)))
+        adv = algo.advantages(cfg.algorithm, rewards, group_index(samples))
+        batch = TrainBatch.from_samples(samples, adv)
         with timer("old_logprobs"):                                   # 3. old / ref log-probs
             learner.score(batch, step)
         with timer("train"):                                          # 4. policy update
             metrics.update(guarded_update(learner.update, batch, cfg, ps, run.bad_steps, step))
+        store_step(store, cfg, ps, step, samples, adv, batch)  # DP-gathered; rank 0 writes
         engine.push_weights(policy.module, step)                      # 5. weight sync
         engine.wake()  # re-acquire generation memory before the next rollout / eval
         metrics = dp_mean({**_batch_metrics(batch, samples, cfg, ps.dp_size, t0), **metrics,
@@ -99,10 +105,14 @@ def run(cfg: RLConfig) -> dict:
             metrics.update(_prefixed("eval/", run_eval()))
         log.log(step, metrics)                                        # 6. log / save
         if run.due(step):
+            if store is not None:
+                store.flush()  # the store holds every step the checkpoint has seen
             run.save(step, time.perf_counter() - t_start)
     after = run_eval()
     log.log(tr.total_steps + 1, _prefixed("eval/", after), advance=False)
     log.close()
+    if store is not None:
+        store.close()
     engine.close()
     save_hf(policy.module, src, os.path.join(tr.output_dir, "final"), ps)
     result = run.finish(before, after, time.perf_counter() - t_start)  # result.json
@@ -130,6 +140,7 @@ def _check_setup(cfg: RLConfig, src, algo) -> str:
     algo.check(cfg, src.hf_config)
     check_rollout_correction(cfg, src.hf_config, kind)  # TIS / MIS / MoE routing replay
     check_model_fit(cfg, src)  # tokenizer vs vocabulary, sequence length vs positions
+    check_outputs_available(cfg.trainer, rl=True)  # wandb, zarr
     name = check_engine(cfg.rollout, kind, darts=cfg.rollout.darts.enabled)
     assert name in ENGINES
     return name

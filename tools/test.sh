@@ -4,11 +4,23 @@
 #   bash tools/test.sh -k parity    # extra pytest arguments pass through
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# The test extras plus `launch` (NeMo-Run: tests/e2e/test_launch.py launches a real 2-rank job).
+export MEGATRON_RL_EXTRAS="${MEGATRON_RL_EXTRAS:-test,launch}"
 source "$ROOT/tools/setup_env.sh"
 cd "$ROOT"
 # The vllm rollout engine's server runs from a virtualenv of its own (its pins differ from ours);
 # tests/e2e/test_vllm_engine.py drives a real one.
 bash "$ROOT/tools/setup_vllm.sh"
+# tests/e2e/test_report.py loads the report page in headless Chromium (Debian's package).
+if ! command -v chromium >/dev/null && ! command -v chromium-browser >/dev/null; then
+  if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    echo "[test] installing chromium (apt) for the report page test"
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium \
+        >/dev/null; } || echo "[test] chromium could not be installed: the browser test will be skipped"
+  else
+    echo "[test] no chromium and no root apt-get: the report browser test will be skipped"
+  fi
+fi
 echo "[test] ruff"
 ruff check megatron_rl tests tools examples
 echo "[test] pytest"

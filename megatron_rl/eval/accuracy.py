@@ -50,3 +50,41 @@ def evaluate(engine, val, reward_fn, tokenizer, reward_cfg, sampling, num_exampl
         [correct, total, reward_sum, length_sum], ps.pgs.dp if ps.dp_size > 1 else None)
     return {"pass_at_1": correct / total, "reward": reward_sum / total,
             "response_length": length_sum / total, "num_examples": total}
+
+
+def build_evaluator(engine, val, reward_fn, tokenizer, cfg, ps):
+    """The run's evaluation as a no-argument callable: greedy (or `rollout.val_temperature`)
+    pass@1, plus pass@k / distinct@k / utility@k for `trainer.eval_pass_k` (samples at the
+    rollout's temperature, on a seed of their own, the engine's training stream put back)."""
+    from megatron_rl.rollout.engine import SamplingParams
+
+    tr, eos = cfg.trainer, tokenizer.eos_token_id
+    greedy = SamplingParams.from_config(cfg.rollout, eos_token_id=eos, val=True,
+                                        seed=eval_seed(tr.seed, ps.dp_rank))
+    equivalence = None
+    if tr.eval_pass_k:
+        from megatron_rl.rewards.diversity import build_equivalence
+
+        equivalence = build_equivalence(cfg.reward.diversity)  # refused here if misconfigured
+        sampled = SamplingParams.from_config(cfg.rollout, eos_token_id=eos,
+                                             seed=eval_seed(tr.seed, ps.dp_rank) + (1 << 20))
+
+    def run() -> dict:
+        out = evaluate(engine, val, reward_fn, tokenizer, cfg.reward, greedy,
+                       tr.num_eval_examples, ps)
+        if tr.eval_pass_k:
+            from megatron_rl.eval.diversity import evaluate_pass_k
+
+            saved = engine.state_dict()
+            try:
+                k = evaluate_pass_k(engine, val, reward_fn, tokenizer, cfg.reward, sampled,
+                                    tr.num_eval_examples, ps, sorted(set(tr.eval_pass_k)),
+                                    equivalence)
+            finally:
+                if saved:
+                    engine.load_state_dict(saved)
+            # "sampled/": at the rollout's temperature (the plain pass_at_1 stays the greedy one)
+            out.update({f"sampled/{key}": v for key, v in k.items() if key != "num_examples"})
+        return out
+
+    return run

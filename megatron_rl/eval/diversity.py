@@ -140,9 +140,7 @@ def evaluate_pass_k(
     (pass the rollout's sampling: pass@k of greedy samples is pass@1). Each data-parallel rank
     scores its shard; sums are reduced over DP, so every rank returns the same figures.
     Correctness is the reward's `correct` term (reward > 0 when it has none)."""
-    import torch
-    import torch.distributed as dist
-
+    from megatron_rl.collectives import all_reduce_floats
     from megatron_rl.rewards import compute_rewards
     from megatron_rl.types import make_groups
 
@@ -174,10 +172,10 @@ def evaluate_pass_k(
         "mean_div",
         "classes_per_group",
     ]
-    t = torch.tensor([sums.get(key, 0.0) for key in keys], dtype=torch.float64)
-    if ps.dp_size > 1:
-        dist.all_reduce(t, group=ps.pgs.dp)
-    reduced = dict(zip(keys, t.tolist()))
+    values = [sums.get(key, 0.0) for key in keys]
+    if ps.dp_size > 1:  # on the group's device (NCCL reduces CUDA tensors only)
+        values = all_reduce_floats(values, ps.pgs.dp)
+    reduced = dict(zip(keys, values))
     num = max(reduced.pop("num_prompts"), 1.0)
     return {
         **{key: v / num for key, v in reduced.items()},

@@ -167,11 +167,13 @@ def darling_reward(
             ]
         labels = diversity.partition_groups(responses, equivalent, include)
         out = []
-        for group_quality, group_labels in zip(quality, labels):
+        for group_quality, group_labels, group_samples in zip(quality, labels, samples):
             div = diversity.diversity_scores(group_labels, floor=floor)
             q = [d["score"] for d in group_quality]
             fused = diversity.fuse(q, div, fusion, weight=weight)
             num_classes = float(max(group_labels, default=-1) + 1)
+            for sample, label in zip(group_samples, group_labels):
+                sample.metadata["darling_class"] = int(label)  # the rollout store's class column
             out.append(
                 [
                     {**qd, "score": r, "quality": qs, "diversity": d, "num_classes": num_classes}

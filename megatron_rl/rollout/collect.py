@@ -72,6 +72,10 @@ class Collector:
         metrics.update({"reward/accuracy": reward_stats.get("correct", mean_reward),
                         "rollout/num_groups": float(len(kept)),
                         "rollout/resample_rounds": float(rounds)})
+        # reward terms beyond the score (DARLING quality / diversity / num_classes, the overlong
+        # penalty, ...), as means over the last round's samples; `correct` is reward/accuracy
+        metrics.update({k: v for k, v in reward_stats.items()
+                        if k not in ("reward/mean", "reward/std", "reward/correct")})
         return kept, metrics
 
     def _generate(self, prompts: list[Prompt], metrics: dict) -> list[Sample]:

@@ -373,7 +373,11 @@ class LocalEngine:
             slot_req[slot] = -1
             if counters is not None:  # DARTS: finishing order decides (B.3); aborted = pruned
                 c = counters[group[r]]
-                results[r].metadata["darts_kept"] = reason != "abort" and c.on_finish()
+                kept = reason != "abort" and c.on_finish()
+                results[r].metadata["darts_kept"] = kept
+                if kept:  # which end of the length distribution it was kept for (the store's)
+                    results[r].metadata["darts_end"] = (
+                        "short" if c.finished <= c.n - c.long else "long")
                 if c.prune:
                     newly_pruned.add(group[r])
 

@@ -51,3 +51,15 @@ def test_quickstart_short_reward_trend_up(tmp_path):
     ev = cli("eval", "--config", f"{REPO}/examples/quickstart/grpo.yaml",
              f"trainer.init_from={grpo}/final", cwd=tmp_path)
     assert ev["pass_at_1"] == pytest.approx(result["pass_at_1_after"])
+    # trainer.eval_pass_k: sampled pass@k / distinct@k beside the greedy pass@1 (which it leaves
+    # alone); pass@k cannot fall with k, and a group of 4 has 1 to 4 classes
+    ev4 = cli("eval", "--config", f"{REPO}/examples/quickstart/grpo.yaml",
+              f"trainer.init_from={grpo}/final", "trainer.eval_pass_k=[1,4]",
+              "trainer.num_eval_examples=32", cwd=tmp_path)
+    assert ev4["pass_at_1"] == pytest.approx(cli(
+        "eval", "--config", f"{REPO}/examples/quickstart/grpo.yaml",
+        f"trainer.init_from={grpo}/final", "trainer.num_eval_examples=32",
+        cwd=tmp_path)["pass_at_1"])
+    p1, p4 = ev4["sampled/pass_at_1"], ev4["sampled/pass_at_4"]
+    assert 0.0 <= p1 <= p4 <= 1.0 and 1.0 <= ev4["sampled/distinct_at_4"] <= 4.0
+    assert ev4["sampled/num_samples"] == 4.0

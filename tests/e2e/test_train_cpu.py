@@ -30,6 +30,15 @@ def train(args, cwd):
     return out
 
 
+def stored(run_dir):
+    """(steps, samples per step, extra columns) of the run's rollout store."""
+    from megatron_rl.data.store_reader import RolloutReader
+
+    reader = RolloutReader(str(run_dir))
+    steps = reader.steps.tolist()
+    return steps, [len(reader.read_step(s).samples) for s in steps], reader
+
+
 def rows(run_dir):
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
@@ -58,6 +67,14 @@ def test_resume_reproduces_uninterrupted_run(tmp_path):
             assert a[step][key] == pytest.approx(b[step][key], abs=1e-6), (step, key)
     result = json.loads(r.stdout.strip().splitlines()[-1])
     assert set(result) >= {"pass_at_1_before", "pass_at_1_after"}
+    # the rollout store holds each step once, and the resumed run's rows equal the straight one's
+    (sa, na, ra), (sb, nb, rb) = stored(straight), stored(resumed)
+    assert sa == sb == [1, 2, 3, 4] and na == nb == [16] * 4
+    for step in (3, 4):
+        a_s, b_s = ra.read_step(step), rb.read_step(step)
+        assert [x.reward for x in a_s.samples] == [x.reward for x in b_s.samples]
+        assert a_s.advantages.tolist() == b_s.advantages.tolist()
+        assert a_s.old_logprobs is not None
 
 
 def test_unknown_key_fails_before_writing(tmp_path):
@@ -76,11 +93,17 @@ def test_train_under_torchrun_dp2(tmp_path):
 
     out_dir = tmp_path / "dp2"
     proc = run_torchrun(["-m", "megatron_rl.cli", "train", *BASE, "trainer.total_steps=2",
-                         f"trainer.output_dir={out_dir}"], nproc=2, timeout=600)
+                         "trainer.wandb=true", f"trainer.output_dir={out_dir}"], nproc=2,
+                        timeout=600)
     results = [line for line in proc.stdout.splitlines() if line.startswith('{"pass_at_1')]
     assert len(results) == 1, proc.stdout[-2000:]
     steps = {x["step"] for x in rows(out_dir) if "reward/mean" in x}
     assert steps == {1, 2}
+    # rank 0 stores both ranks' samples: 4 prompts x 4 samples per step, each prompt once
+    stored_steps, per_step, reader = stored(out_dir)
+    assert stored_steps == [1, 2] and per_step == [16, 16]
+    assert len({x.group_id for x in reader.read_step(1).samples}) == 4
+    assert len(list((out_dir / "wandb").glob("offline-run-*"))) == 1  # rank 0's, offline
 
 
 def test_train_with_darts_rollout_shaping(tmp_path):
@@ -105,6 +128,10 @@ def test_train_with_darts_rollout_shaping(tmp_path):
 
     mine = torch.load(ckpt / "rank_00000.pt", weights_only=True)["components"]["collector"]
     assert mine["darts"] == darts
+    _, per_step, reader = stored(out_dir)
+    assert per_step == [16, 16]  # n per prompt kept
+    ends = reader.read_step(2).extra["darts_end"]
+    assert set(ends) <= {"short", "long"} and ends.count("long") == 4  # long_end=1 per prompt
 
 
 def test_missing_external_engine_is_refused_before_the_model(tmp_path):

@@ -92,3 +92,9 @@ def test_literal_fields_are_checked_by_name():
     with pytest.raises(ValueError, match=r"reward.diversity.weight"):
         load_config(RLConfig, None, ["reward.diversity.mode=multiplicative",
                                      "reward.diversity.weight=2"])
+
+
+def test_empty_override_sets_an_empty_string():
+    """`trainer.init_from=` clears a recipe's value (OmegaConf alone would read null)."""
+    cfg = load_config(RLConfig, "examples/quickstart/grpo.yaml", ["trainer.init_from="])
+    assert cfg.trainer.init_from == ""

@@ -147,3 +147,20 @@ def test_plot_titles_markers_and_sft_loss(tmp_path):
     assert specs["reward.png"].title == "q/grpo: reward"
     assert specs["accuracy.png"].markers["eval/pass_at_1"] is True  # 39 points, still marked
     assert specs["reward.png"].markers["reward/mean"] is False
+
+
+@pytest.mark.parametrize("field,module,rl", [("wandb", "wandb", False),
+                                             ("rollout_store", "zarr", True)])
+def test_missing_output_package_is_refused_naming_the_field(monkeypatch, field, module, rl):
+    import importlib.util
+
+    from megatron_rl.checks import check_outputs_available
+    from megatron_rl.config import TrainerConfig
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == module else real(name, *a))
+    tr = TrainerConfig(wandb=field == "wandb")
+    with pytest.raises(ImportError, match=f"trainer.{field}.*`{module}` package"):
+        check_outputs_available(tr, rl=rl)
+    check_outputs_available(TrainerConfig(wandb=False, rollout_store=False), rl=rl)  # not needed
