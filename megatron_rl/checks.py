@@ -90,15 +90,23 @@ def resolve_source(cfg):
 
 def check_outputs_available(trainer, *, rl: bool) -> None:
     """The packages the enabled outputs need are importable, refused naming the field."""
+    import importlib
     import importlib.util
 
     needs = [("wandb", trainer.wandb, "trainer.wandb=true", "pip install 'megatron-rl[tracking]'"),
              ("zarr", rl and trainer.rollout_store, "trainer.rollout_store=true (the default)",
               "pip install 'zarr>=3.1,<3.2', or set trainer.rollout_store=false")]
     for module, wanted, field, fix in needs:
-        if wanted and importlib.util.find_spec(module) is None:
+        if not wanted:
+            continue
+        if importlib.util.find_spec(module) is None:
             raise ImportError(f"config field `{field}` needs the `{module}` package, which is not "
                               f"installed: {fix}")
+        try:  # installed but broken (e.g. zarr without its crc32c codec) fails here, not later
+            importlib.import_module(module)
+        except ImportError as e:
+            raise ImportError(f"config field `{field}`: importing `{module}` failed ({e}): "
+                              f"{fix}") from e
 
 
 def check_split(src, ps) -> None:

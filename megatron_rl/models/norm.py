@@ -45,6 +45,9 @@ class TorchNorm:
             norm = FusedRMSNorm(hidden_size, eps=eps)
         else:
             norm = WrappedTorchNorm(config, hidden_size, eps=eps)
+        # in the model's dtype like every other weight: Megatron's fp16/bf16 optimizer keeps the
+        # fp32 master copies and maps only half-precision params onto the sharded checkpoint
+        norm = norm.to(dtype=config.params_dtype)
         for param in norm.parameters():
             param.sequence_parallel = sp and sequence_parallel_input
         return norm

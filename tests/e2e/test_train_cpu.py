@@ -154,3 +154,16 @@ def test_train_on_a_diffusion_model_is_refused_naming_the_kind(tmp_path):
     assert r.returncode == 2, r.stderr[-2000:]
     assert "algorithm.name" in r.stderr and "diffusion" in r.stderr
     assert not out_dir.exists()
+
+
+def test_bf16_run_checkpoints_and_resumes(tmp_path):
+    """A bf16 model (every weight half precision, norms included, as Megatron's fp16/bf16
+    optimizer requires) saves its last-step checkpoint with the optimizer and resumes from it."""
+    out_dir = tmp_path / "bf16"
+    base = BASE + DENSE + ["model.dtype=bf16", f"trainer.output_dir={out_dir}"]
+    r = train(base + ["trainer.total_steps=1"], tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert os.path.isdir(out_dir / "checkpoints" / "step_000001")
+    r = train(base + ["trainer.total_steps=2"], tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [x["step"] for x in rows(out_dir) if "reward/mean" in x] == [1, 2]

@@ -65,7 +65,8 @@ def peer_config(out: str, steps: int, layout: str, keep_graphs: bool) -> RLConfi
         optimizer=OptimizerConfig(lr=1e-6),
         trainer=TrainerConfig(total_steps=steps, output_dir=out, tensorboard=False,
                               progress_bar=False, num_eval_examples=8, micro_batch_tokens=16384,
-                              micro_batch_layout=layout),
+                              micro_batch_layout=layout,
+                              rollout_store=False),  # like TRL's run: no rollouts written
     )
 
 
