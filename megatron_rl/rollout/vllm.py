@@ -237,7 +237,11 @@ class VLLMEngine:
         return external.share_in_model_parallel_group(samples, self.ps)
 
     def score(self, token_ids: list[int]) -> torch.Tensor:
-        """[len-1] fp32 engine log-probs (temperature 1) of token_ids[1:] (weight-sync checks)."""
+        """[len-1] fp32 engine log-probs (temperature 1) of token_ids[1:] (weight-sync checks).
+        Wakes a sleeping server first: the loop pushes (and verifies) while the engine still
+        sleeps from training, and a sleeping server holds every request until wake_up."""
+        if self._asleep:
+            self.wake()
         return torch.tensor(self.client.prompt_logprobs(list(token_ids)), dtype=torch.float32)
 
     def abort(self, sample_ids) -> None:

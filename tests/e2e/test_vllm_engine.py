@@ -136,6 +136,21 @@ def test_sleep_wake(setup):
     assert torch.equal(engine.score(FIXED), before)
 
 
+def test_verified_push_on_a_sleeping_engine(setup):
+    """The loop's order: sleep for training, push (verify on), wake. The verify's scoring
+    request must wake the server (a sleeping one holds it forever: the train run hung)."""
+    engine, module = setup[0], setup[1]
+    engine.sleep()
+    engine.verify_sync_tol = TOL
+    try:
+        engine.push_weights(module, engine.policy_version + 1)
+    finally:
+        engine.verify_sync_tol = 0.0
+    assert engine.last_sync_error is not None and engine.last_sync_error <= TOL
+    assert not engine.client.is_sleeping()
+    engine.wake()
+
+
 def test_abort_returns_partial_samples(setup):
     engine = setup[0]
     result = {}
@@ -195,15 +210,29 @@ def test_train_grpo_with_vllm_engine(tmp_path):
             "data.num_train_examples=64", "data.num_val_examples=4", "rollout.n=4",
             "rollout.max_new_tokens=8", "trainer.total_steps=3", "trainer.num_eval_examples=4",
             "trainer.progress_bar=false", "trainer.tensorboard=false", "optimizer.lr=1e-3",
+            # a dense reward: the random tiny model never solves the task, and an update
+            # without signal is skipped (the pushes would then not prove anything)
+            f"reward.name={os.path.join(repo, 'tests', 'e2e', 'toy_rewards.py')}:digit_fraction",
             f"trainer.output_dir={out_dir}"]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=repo)
     r = subprocess.run([sys.executable, "-m", "megatron_rl.cli", "train", *args], cwd=tmp_path,
-                       env=env, capture_output=True, text=True, timeout=900)
+                       env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-4000:]
     errs = {int(v): float(e) for v, e in re.findall(
         r"\[vllm\] weight sync v(\d+): max \|engine - actor\| log-prob = (\S+)", r.stderr)}
     assert {1, 2, 3} <= set(errs), r.stderr[-3000:]
     assert all(e <= TOL for e in errs.values()), errs
     with open(out_dir / "metrics.jsonl") as f:
-        steps = [json.loads(line) for line in f]
-    assert len([s for s in steps if "train/loss" in s or "loss" in json.dumps(s)]) >= 3
+        rows = [json.loads(line) for line in f]
+    trained = {r["step"]: r for r in rows if "actor/pg_loss" in r}
+    assert sorted(trained) == [1, 2, 3], rows
+    assert all(r["grad_norm"] > 0 for r in trained.values()), trained  # the weights moved
+    for r in trained.values():  # an external engine: the mismatch metrics are on by default
+        assert r["rollout_correction/mismatch_kl"] < 1e-4, r
+    # step s rolls out on the weights pushed after step s - 1: the samples carry that version
+    from megatron_rl.data.store_reader import RolloutReader
+
+    reader = RolloutReader(str(out_dir))
+    for step in (1, 2, 3):
+        versions = {s.policy_version for s in reader.read_step(step).samples}
+        assert versions == {step - 1}, (step, versions)
