@@ -99,8 +99,9 @@ def run(cfg: RLConfig) -> dict:
         store_step(store, cfg, ps, step, samples, adv, batch)  # DP-gathered; rank 0 writes
         engine.push_weights(policy.module, step)                      # 5. weight sync
         engine.wake()  # re-acquire generation memory before the next rollout / eval
-        metrics = dp_mean({**_batch_metrics(batch, samples, cfg, ps.dp_size, t0), **metrics,
-                           **timer.pop()}, ps.pgs.dp if ps.dp_size > 1 else None)
+        dp = ps.pgs.dp if ps.dp_size > 1 else None
+        metrics = dp_mean({**_batch_metrics(batch, samples, cfg, ps.dp_size, t0, dp), **metrics,
+                           **timer.pop()}, dp)
         if tr.eval_interval and step % tr.eval_interval == 0 and step < tr.total_steps:
             metrics.update(_prefixed("eval/", run_eval()))
         log.log(step, metrics)                                        # 6. log / save
@@ -143,10 +144,15 @@ def _check_setup(cfg: RLConfig, src, algo) -> str:
     check_outputs_available(cfg.trainer, rl=True)  # wandb, zarr
     name = check_engine(cfg.rollout, kind, darts=cfg.rollout.darts.enabled)
     assert name in ENGINES
+    if name == "local":  # no PP, MoE only at TP = EP = 1
+        from megatron_rl.rollout.local import check_layout
+
+        check_layout(cfg.parallel, src.hf_config)
     return name
 
 
-def _batch_metrics(batch: TrainBatch, samples, cfg, dp_size: int, t0: float) -> dict[str, float]:
+def _batch_metrics(batch: TrainBatch, samples, cfg, dp_size: int, t0: float,
+                   dp_group=None) -> dict[str, float]:
     lengths = torch.tensor([float(s.response_length) for s in samples])
     n_tokens = float(sum(len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)))
     out = {"reward/mean": float(batch.rewards.mean()),
@@ -158,7 +164,7 @@ def _batch_metrics(batch: TrainBatch, samples, cfg, dp_size: int, t0: float) -> 
                     "rollout/logprob_gap_mean": float(gap.mean())})
         if mismatch_metrics_on(cfg):  # engine vs actor: KL, rho, fraction corrected (F.14)
             out.update(mismatch_metrics(batch.old_logprobs, batch.rollout_logprobs,
-                                        cfg.algorithm.rollout_correction))
+                                        cfg.algorithm.rollout_correction, group=dp_group))
     seconds = time.perf_counter() - t0
     return {**out, "throughput/tokens_per_s": n_tokens * dp_size / seconds, "time/step": seconds}
 

@@ -144,6 +144,10 @@ def pack_routes(routes: list[torch.Tensor], lengths: list[int], *, width: int, t
     return grid.permute(2, 1, 0, 3).reshape(n_moe, -1, k).to(ps.device)
 
 
+ENGINES_WITHOUT_ROUTES = ("vllm",)
+"""rollout.engine values that cannot report routed experts (refused with routing replay)."""
+
+
 def check_setup(cfg, hf_config: dict) -> None:
     """Refuse, before any model is built, a routing replay that cannot run."""
     rc = cfg.algorithm.rollout_correction
@@ -156,6 +160,11 @@ def check_setup(cfg, hf_config: dict) -> None:
         raise ValueError(
             "config field `algorithm.rollout_correction.routing_replay`: the model "
             f"({hf_config.get('architectures')}) has no MoE layers to replay")
+    if cfg.rollout.engine in ENGINES_WITHOUT_ROUTES:
+        raise ValueError(
+            "config field `algorithm.rollout_correction.routing_replay`: rollout.engine="
+            f"{cfg.rollout.engine} does not return the experts it routed each token to; use "
+            "rollout.engine=local (records its own) or sglang (return_routed_experts)")
     if cfg.model.recompute == "full":
         raise ValueError(
             "config field `algorithm.rollout_correction.routing_replay`: not supported with "

@@ -226,32 +226,39 @@ def importance_weights(
 
 
 def mismatch_metrics(old_logprobs: list[torch.Tensor], rollout_logprobs: list[torch.Tensor],
-                     rc) -> dict[str, float]:
+                     rc, group=None) -> dict[str, float]:
     """The engine-vs-actor mismatch of one batch (per-sample [L_i] log-probs; `rc` a
     RolloutCorrectionConfig), token means over the batch: mismatch_kl (k3 estimate of
     KL(pi_rollout || pi_old) on the engine's samples), mismatch_k1 (mean log pi_rollout -
     log pi_old), rho_mean / rho_max at rc.level, weight_mean (the correction's mean weight; 1
     without one) and clipfrac (fraction of tokens truncated or masked -- for mode=none, beyond
-    rc.threshold)."""
+    rc.threshold). group: the data-parallel group whose ranks hold the rest of the batch; the
+    sums, token count and max are reduced over it, so every rank returns the global batch's
+    values (a mean of per-rank means would weigh a rank's tokens by its share of samples)."""
+    import torch.distributed as dist
+
+    from megatron_rl.collectives import group_device
     from megatron_rl.types import pad_ragged
 
     old_BT, roll_BT = pad_ragged(old_logprobs).float(), pad_ragged(rollout_logprobs).float()
     mask_BT = pad_ragged([torch.ones(len(x), dtype=torch.bool) for x in old_logprobs], False)
-    n = mask_BT.sum().clamp(min=1)
     log_r = ((old_BT - roll_BT) * mask_BT).clamp(-20.0, 20.0)  # log pi_old / pi_rollout
     rho_BT = _rollout_log_ratio(old_BT, roll_BT, mask_BT, rc.level).exp()
     w_BT, flags = importance_weights(old_BT, roll_BT, mask_BT, mode=rc.mode, level=rc.level,
                                      threshold=rc.threshold, threshold_low=rc.threshold_low)
-
-    def mean(x_BT):
-        return float((x_BT.float() * mask_BT).sum() / n)
-
-    return {"rollout_correction/mismatch_kl": mean(log_r.exp() - 1.0 - log_r),
-            "rollout_correction/mismatch_k1": mean(-log_r),
-            "rollout_correction/rho_mean": mean(rho_BT),
-            "rollout_correction/rho_max": float(rho_BT.masked_fill(~mask_BT, 0).max()),
-            "rollout_correction/weight_mean": mean(w_BT),
-            "rollout_correction/clipfrac": mean(flags)}
+    names = ("mismatch_kl", "mismatch_k1", "rho_mean", "weight_mean", "clipfrac")
+    parts = (log_r.exp() - 1.0 - log_r, -log_r, rho_BT, w_BT, flags)
+    sums = torch.stack([(x.double() * mask_BT).sum() for x in parts] + [mask_BT.sum().double()])
+    rho_max = rho_BT.masked_fill(~mask_BT, 0).max().double().reshape(1)
+    if group is not None and dist.get_world_size(group) > 1:
+        dev = group_device(group)
+        sums, rho_max = sums.to(dev), rho_max.to(dev)
+        dist.all_reduce(sums, group=group)
+        dist.all_reduce(rho_max, op=dist.ReduceOp.MAX, group=group)
+    means = (sums[:-1] / sums[-1].clamp(min=1)).cpu().tolist()
+    out = {f"rollout_correction/{k}": v for k, v in zip(names, means)}
+    out["rollout_correction/rho_max"] = float(rho_max)
+    return out
 
 
 def policy_loss(

@@ -497,3 +497,25 @@ def build(ctx) -> LocalEngine:
                          record_routing=bool(rc is not None and rc.routing_replay))
     engine.keep_graphs = ctx.cfg.rollout.keep_decode_graphs
     return engine
+
+
+def check_layout(parallel_cfg, hf_config: dict) -> None:
+    """Refuse, before any model is built, a layout this engine cannot decode: pipeline
+    parallelism, and MoE models at tensor or expert parallel > 1 (LocalEngine and LeanDecoder
+    refuse the same at construction; this says it before the run has built anything)."""
+    from megatron_rl.models import get_family
+
+    pp = parallel_cfg.pipeline_model_parallel_size
+    tp, ep = parallel_cfg.tensor_model_parallel_size, parallel_cfg.expert_model_parallel_size
+    if pp > 1:
+        raise ValueError(
+            "config field `rollout.engine`: the built-in engine does not support pipeline "
+            f"parallelism (parallel.pipeline_model_parallel_size={pp}); use an external engine "
+            "(rollout.engine=sglang or vllm)")
+    moe = "num_moe_experts" in get_family(hf_config).transformer_config(hf_config)
+    if moe and (tp > 1 or ep > 1):
+        raise ValueError(
+            "config field `rollout.engine`: the built-in engine does not support MoE models at "
+            f"tensor or expert parallel > 1 (parallel.tensor_model_parallel_size={tp}, "
+            f"expert_model_parallel_size={ep}); it decodes MoE only at TP = EP = 1. "
+            "Use an external engine (rollout.engine=sglang or vllm)")

@@ -14,6 +14,11 @@ fields used are the documented ones (docs/engines.md lists each):
   `GET /health`, `GET /get_server_info`; `POST /update_weight_version` {new_version}.
 - weights: `update_weights_from_tensor` / `init_weights_update_group` +
   `update_weights_from_distributed` + `destroy_weights_update_group` / `update_weights_from_disk`.
+MoE routing replay (`algorithm.rollout_correction.routing_replay`): servers run with
+`--enable-return-routed-experts` and each `/generate` asks `return_routed_experts: true`; the
+answer's `meta_info.routed_experts` is base64 of int32 [P + L - 1, num_hidden_layers, topk]
+(every fed token, every layer), of which `RouteLayout` keeps the MoE layers (`Sample.
+routed_experts`, actor/routing_replay.py).
 Log-probs: SGLang reports the temperature-scaled policy's (before top-k/top-p), the protocol's
 definition, unless SGLANG_RETURN_ORIGINAL_LOGPROB is set: launched servers get it off, and an
 attached server must not set it.
@@ -25,6 +30,7 @@ attached server must not set it.
 
 from __future__ import annotations
 
+import base64
 import importlib.util
 import itertools
 import os
@@ -33,6 +39,7 @@ import socket
 import sys
 import threading
 
+import numpy as np
 import torch
 
 from megatron_rl.rollout import external
@@ -65,9 +72,10 @@ def check_available(rollout_cfg) -> None:
 
 
 def launch_commands(sc, model_path: str, *, num_gpus: int, dtype: str, seed: int,
-                    host: str = "0.0.0.0") -> list[list[str]]:
+                    host: str = "0.0.0.0", routed_experts: bool = False) -> list[list[str]]:
     """One `sglang.launch_server` command per `sc.tp` GPUs of a node (server i on GPUs
-    [i*tp, (i+1)*tp), port base_port + i)."""
+    [i*tp, (i+1)*tp), port base_port + i); routed_experts: MoE routing replay (the servers
+    record each token's experts)."""
     if num_gpus % sc.tp:
         raise ValueError(f"config field `rollout.sglang.tp`: {sc.tp} does not divide the "
                          f"{num_gpus} GPU(s) per node")
@@ -80,6 +88,8 @@ def launch_commands(sc, model_path: str, *, num_gpus: int, dtype: str, seed: int
                str(sc.mem_fraction_static), "--dtype", dtype, "--random-seed", str(seed)]
         if sc.enable_memory_saver:
             cmd.append("--enable-memory-saver")
+        if routed_experts:
+            cmd.append("--enable-return-routed-experts")
         if sc.dllm_algorithm:
             cmd += ["--dllm-algorithm", sc.dllm_algorithm]
             if sc.dllm_algorithm_config:
@@ -97,11 +107,12 @@ class SGLangClient:
                                retry_backoff_s=retry_backoff_s)
 
     def generate(self, rid: str, input_ids: list[int], sampling_params: dict,
-                 return_logprob: bool) -> dict:
-        return self.http.post("/generate", {"rid": rid, "input_ids": input_ids,
-                                            "sampling_params": sampling_params,
-                                            "return_logprob": return_logprob,
-                                            "logprob_start_len": -1})
+                 return_logprob: bool, return_routed_experts: bool = False) -> dict:
+        body = {"rid": rid, "input_ids": input_ids, "sampling_params": sampling_params,
+                "return_logprob": return_logprob, "logprob_start_len": -1}
+        if return_routed_experts:
+            body["return_routed_experts"] = True
+        return self.http.post("/generate", body)
 
     def abort(self, rid: str) -> None:
         self.http.post("/abort_request", {"rid": rid})
@@ -155,9 +166,40 @@ class SGLangClient:
             raise EngineServerError(f"POST {self.url}{path}: {out.get('message', out)}")
 
 
+class RouteLayout:
+    """Where the MoE layers sit in SGLang's routed-experts array (module docstring)."""
+
+    def __init__(self, num_layers: int, moe_layers: list[int], topk: int):
+        self.num_layers, self.moe_layers, self.topk = num_layers, list(moe_layers), topk
+
+    @classmethod
+    def of(cls, module) -> RouteLayout:
+        from megatron_rl.actor.routing_replay import moe_layer_ids
+
+        tcfg = module.config
+        return cls(tcfg.num_layers, moe_layer_ids(tcfg), tcfg.moe_router_topk)
+
+    def decode(self, meta: dict, n_fed: int, sid: str) -> torch.Tensor:
+        """meta_info.routed_experts -> int32 [n_fed, MoE layers, topk]."""
+        data = meta.get("routed_experts")
+        if data is None:
+            raise EngineServerError(
+                f"SGLang sample {sid}: no meta_info.routed_experts, which "
+                "algorithm.rollout_correction.routing_replay needs; the server must run with "
+                "--enable-return-routed-experts (attached servers: restart them with it)")
+        flat = np.frombuffer(base64.b64decode(data), dtype="<i4")
+        if flat.size != n_fed * self.num_layers * self.topk:
+            raise EngineServerError(
+                f"SGLang sample {sid}: routed_experts holds {flat.size} ids, expected "
+                f"{n_fed} fed tokens x {self.num_layers} layers x top-{self.topk}")
+        grid = torch.from_numpy(flat.reshape(n_fed, self.num_layers, self.topk).copy())
+        return grid[:, self.moe_layers]
+
+
 def to_sample(prompt: list[int], out: dict, sid: str, fallback_version: int,
-              want_logprobs: bool) -> Sample:
-    """A `/generate` response -> Sample (finish reason, ids, log-probs, weight version)."""
+              want_logprobs: bool, routes: RouteLayout | None = None) -> Sample:
+    """A `/generate` response -> Sample (finish reason, ids, log-probs, weight version; with
+    `routes`, the experts each fed token was routed to)."""
     meta = out.get("meta_info") or {}
     reason = (meta.get("finish_reason") or {}).get("type")
     if reason not in ("stop", "length", "abort"):
@@ -174,16 +216,21 @@ def to_sample(prompt: list[int], out: dict, sid: str, fallback_version: int,
         lps = torch.tensor([t[0] for t in triples], dtype=torch.float32)
     version = meta.get("weight_version")
     version = int(version) if str(version).isdigit() else fallback_version
+    routed = None if routes is None else routes.decode(meta, len(prompt) + len(ids) - 1, sid)
     return Sample(prompt_ids=list(prompt), response_ids=list(ids), response_logprobs=lps,
-                  finish_reason=reason, sample_id=sid, policy_version=version)
+                  finish_reason=reason, sample_id=sid, policy_version=version,
+                  routed_experts=routed)
 
 
 class SGLangEngine:
     """The rollout-engine protocol on SGLang servers (see the module docstring)."""
 
     def __init__(self, clients: list[SGLangClient], ps, *, transport=None, servers=(),
-                 release_tags=("kv_cache",), max_concurrency: int = 256, seed: int = 0):
+                 release_tags=("kv_cache",), max_concurrency: int = 256, seed: int = 0,
+                 routes: RouteLayout | None = None):
+        """routes: ask every request for its routed experts (MoE routing replay)."""
         self.clients = clients
+        self.routes = routes
         self.ps = ps
         self.transport = transport
         self.servers = list(servers)
@@ -219,11 +266,13 @@ class SGLangEngine:
                 with self._lock:
                     self.in_flight[sid] = client
                 try:
-                    out = client.generate(sid, list(prompt), params, sampling.logprobs)
+                    out = client.generate(sid, list(prompt), params, sampling.logprobs,
+                                          return_routed_experts=self.routes is not None)
                 finally:
                     with self._lock:
                         self.in_flight.pop(sid, None)
-                return to_sample(prompt, out, sid, self.policy_version, sampling.logprobs)
+                return to_sample(prompt, out, sid, self.policy_version, sampling.logprobs,
+                                 self.routes)
 
             samples = external.fan_out(one, range(len(requests)), self.max_concurrency)
         return external.share_in_model_parallel_group(samples, self.ps)
@@ -315,6 +364,7 @@ def build(ctx) -> SGLangEngine:
 
     rc, ps = ctx.cfg.rollout, ctx.ps
     sc = rc.sglang
+    replay = ctx.cfg.algorithm.rollout_correction.routing_replay
     out_dir = ctx.cfg.trainer.output_dir
     servers, urls = [], list(sc.urls)
     if not urls:
@@ -328,7 +378,8 @@ def build(ctx) -> SGLangEngine:
             host = socket.gethostname()
             env = dict(os.environ, SGLANG_RETURN_ORIGINAL_LOGPROB="false")
             for i, cmd in enumerate(launch_commands(sc, model_dir, dtype=dtype, seed=ctx.seed,
-                                                    num_gpus=torch.cuda.device_count())):
+                                                    num_gpus=torch.cuda.device_count(),
+                                                    routed_experts=replay)):
                 url = f"http://{host}:{sc.base_port + i}"
                 server = ServerProcess(cmd, env=env, health_url=f"{url}/health",
                                        log_path=os.path.join(out_dir, f"sglang_server_{i}.log"))
@@ -343,11 +394,17 @@ def build(ctx) -> SGLangEngine:
             urls = mine
     clients = [SGLangClient(u, timeout_s=sc.request_timeout_s, max_retries=sc.max_retries,
                             retry_backoff_s=sc.retry_backoff_s) for u in urls]
+    for c in clients if replay and sc.urls else []:  # attached: started with the flag?
+        if not c.server_info().get("enable_return_routed_experts"):
+            raise ValueError(
+                "config field `algorithm.rollout_correction.routing_replay`: the SGLang server "
+                f"at {c.url} was not started with --enable-return-routed-experts")
     transport = _make_transport(sc, clients, ps, ctx.src, out_dir)
     # Colocated servers share the actor's GPUs: release their weights too while training.
     tags = ("kv_cache",) if sc.urls else ("weights", "kv_cache")
     engine = SGLangEngine(clients, ps, transport=transport, servers=servers, release_tags=tags,
-                          max_concurrency=sc.max_concurrency, seed=ctx.seed)
+                          max_concurrency=sc.max_concurrency, seed=ctx.seed,
+                          routes=RouteLayout.of(ctx.module) if replay else None)
     if sc.urls:  # attached servers hold whatever they loaded: give them the actor's weights
         engine.push_weights(ctx.module, 0)
     elif ps.rank == 0:

@@ -15,6 +15,11 @@ Register it, then name it:
                                      darts=False)
     cfg.rollout.engine = "scripted"
 
+With `algorithm.rollout_correction.routing_replay` on, every sample also carries "engine"
+routed experts (`Sample.routed_experts`: for each fed token and MoE layer, top-k distinct
+experts drawn from the same seed), which the actor then replays -- another routing than its
+own router's, so the replayed loss differs from the unreplayed one.
+
 `parity_reward` (reward.name=scripted_engine:parity_reward) gives 1 to responses of even length
 and 0 otherwise, so every group of a few samples carries an advantage signal.
 """
@@ -37,10 +42,13 @@ def _rng(prompt: list[int], j: int) -> random.Random:
 class ScriptedEngine:
     """Fixed samples (see the module docstring); the RolloutEngine protocol otherwise inert."""
 
-    def __init__(self, vocab_size: int, num_tokens: int, eos_id: int, low_id: int = 4):
+    def __init__(self, vocab_size: int, num_tokens: int, eos_id: int, low_id: int = 4,
+                 routes: tuple[int, int, int] | None = None):
         """vocab_size: the model's (sets the log-prob level); responses use token ids in
-        [low_id, num_tokens) (the tokenizer's, above its special tokens)."""
+        [low_id, num_tokens) (the tokenizer's, above its special tokens); routes: (MoE layers,
+        experts, top-k) to report routed experts for, or None."""
         self.num_tokens, self.eos_id, self.low_id = num_tokens, eos_id, low_id
+        self.routes = routes
         self.policy_version = 0
         self.pushed: list[int] = []
         self.uniform_lp = -math.log(vocab_size)
@@ -56,11 +64,16 @@ class ScriptedEngine:
                 if stop:
                     ids[-1] = self.eos_id
                 lps = [self.uniform_lp + g.uniform(-1.5, 1.5) for _ in ids]
+                routed = None
+                if self.routes is not None:
+                    layers, experts, k = self.routes
+                    routed = torch.tensor([[g.sample(range(experts), k) for _ in range(layers)]
+                                           for _ in range(len(p) + length - 1)])
                 out.append(Sample(prompt_ids=list(p), response_ids=ids,
                                   response_logprobs=torch.tensor(lps, dtype=torch.float32),
                                   finish_reason="stop" if stop else "length",
                                   sample_id=f"scripted-{i}-{j}",
-                                  policy_version=self.policy_version))
+                                  policy_version=self.policy_version, routed_experts=routed))
         return out
 
     def abort(self, sample_ids) -> None:
@@ -88,8 +101,15 @@ class ScriptedEngine:
 
 def build(ctx) -> ScriptedEngine:
     """The `scripted` entry of rollout.ENGINES (registered by the test worker)."""
+    from megatron_rl.actor.routing_replay import moe_layer_ids
+
     vocab = int(ctx.src.hf_config["vocab_size"])
-    return ScriptedEngine(vocab, min(vocab, len(ctx.tokenizer)), ctx.tokenizer.eos_token_id)
+    routes = None
+    if ctx.cfg.algorithm.rollout_correction.routing_replay:
+        tcfg = ctx.module.config
+        routes = (len(moe_layer_ids(tcfg)), tcfg.num_moe_experts, tcfg.moe_router_topk)
+    return ScriptedEngine(vocab, min(vocab, len(ctx.tokenizer)), ctx.tokenizer.eos_token_id,
+                          routes=routes)
 
 
 def parity_reward(response: str, ground_truth, *, prompt: str, sample: Sample) -> float:

@@ -1,14 +1,18 @@
 """The RL loop (`megatron_rl.train.run`) at PP=2, EP=2 and TP=2 (sequence parallel) on two gloo
 ranks, with an external engine (the scripted test engine: it shares no weights with the
-actor), on a tiny Qwen3-MoE: every step's GRPO loss, gradient norm and truncated-importance-
-sampling weight mean equal the single-rank run's within 1e-5.
+actor), on a tiny Qwen3-MoE: every step's GRPO loss, gradient norm, truncated-importance-
+sampling weight mean and engine-vs-actor mismatch metrics equal the single-rank run's within
+1e-5 (relative for values above 1) -- without and with MoE routing replay (R3: the engine's
+routed experts replayed in the old-log-prob and training forwards, split over pipeline stages,
+expert-parallel ranks and sequence-parallel shards).
 
 Each step takes two optimizer steps over its batch (trainer.epochs_per_step=2), so the second
 is off-policy (ratio != 1) and the second RL step scores old log-probs with updated weights:
 equal numbers mean equal old log-probs, losses, gradients and updates. TIS is on so the
 engine's log-probs enter the loss. At EP=2 the data-parallel ranks plan different numbers of
 micro-batches, so the run also exercises the empty micro-batches that keep the expert
-all-to-alls paired (asserted from the worker's record).
+all-to-alls paired (asserted from the worker's record). The replayed routes are not the
+router's own, so replay changes the loss (asserted on the single-rank runs).
 """
 
 import json
@@ -18,7 +22,10 @@ from helpers import make_tiny_hf, run_torchrun
 
 WORKER = "tests/distributed/rl_layout_worker.py"
 EXTRA = ["algorithm.rollout_correction.mode=tis", "trainer.epochs_per_step=2"]
-KEYS = ("actor/pg_loss", "grad_norm", "actor/is_weight_mean", "actor/clipfrac")
+REPLAY = ["algorithm.rollout_correction.routing_replay=true"]
+KEYS = ("actor/pg_loss", "grad_norm", "actor/is_weight_mean", "actor/clipfrac",
+        "rollout_correction/mismatch_kl", "rollout_correction/rho_max",
+        "rollout_correction/weight_mean", "rollout_correction/clipfrac")
 
 
 def _rows(out_dir) -> dict[int, dict]:
@@ -28,27 +35,45 @@ def _rows(out_dir) -> dict[int, dict]:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
+    """The tiny MoE checkpoint and {replay: single-rank rows}, each run on first use."""
     from megatron_rl.tokenizer import CharTokenizer
 
     root = tmp_path_factory.mktemp("rl_layouts")
     hf = make_tiny_hf("qwen3_moe", root / "hf")
     CharTokenizer().save_pretrained(hf)  # the scripted engine's responses are characters
-    run_torchrun([WORKER, hf, "single", str(root / "single"), *EXTRA], nproc=1)
-    return hf, _rows(root / "single")
+    runs: dict[bool, dict] = {}
+
+    def rows(replay: bool) -> dict[int, dict]:
+        if replay not in runs:
+            out = root / f"single_replay{int(replay)}"
+            run_torchrun([WORKER, hf, "single", str(out), *EXTRA, *(REPLAY if replay else [])],
+                         nproc=1)
+            runs[replay] = _rows(out)
+        return runs[replay]
+
+    return hf, rows
 
 
+@pytest.mark.parametrize("replay", [False, True], ids=["fresh", "replay"])
 @pytest.mark.parametrize("layout", ["pp", "ep", "tp"])
-def test_rl_step_at_two_rank_layout_matches_single_rank(reference, tmp_path, layout):
-    hf, ref = reference
+def test_rl_step_at_two_rank_layout_matches_single_rank(reference, tmp_path, layout, replay):
+    hf, rows = reference
+    ref = rows(replay)
     out = tmp_path / layout
-    run_torchrun([WORKER, hf, layout, str(out), *EXTRA], nproc=2)
+    run_torchrun([WORKER, hf, layout, str(out), *EXTRA, *(REPLAY if replay else [])], nproc=2)
     got = _rows(out)
     assert sorted(got) == sorted(ref) == [1, 2]
     for step in ref:
         for key in KEYS:
-            assert abs(got[step][key] - ref[step][key]) <= 1e-5, (step, key, got[step][key],
-                                                                  ref[step][key])
+            tol = 1e-5 * max(1.0, abs(ref[step][key]))  # relative above 1 (rho_max ~ 12)
+            assert abs(got[step][key] - ref[step][key]) <= tol, (step, key, got[step][key],
+                                                                 ref[step][key])
     assert ref[2]["actor/pg_loss"] != 0 and ref[1]["actor/is_weight_mean"] != 1.0
+    if replay:  # the engine's routes are not the router's: replay is another forward
+        fresh = rows(False)
+        assert abs(ref[1]["rollout_correction/mismatch_kl"]
+                   - fresh[1]["rollout_correction/mismatch_kl"]) > 1e-4
+        assert abs(ref[1]["actor/pg_loss"] - fresh[1]["actor/pg_loss"]) > 1e-5
     if layout == "ep":  # some plan ran with empty micro-batches appended
         counts = [json.loads(line) for f in out.glob("mb_counts.*.jsonl")
                   for line in f.read_text().splitlines()]

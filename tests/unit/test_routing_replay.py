@@ -7,10 +7,14 @@
   the engine's within 1e-5, and without replay they differ (both asserted).
 - The built-in engine records its own routing: the recorded experts are the ones transformers'
   router picks for the same tokens, and replaying them gives the engine's log-probs.
-- The router's token order (pack_routes) and the refusals (dense model, full recompute,
-  built-in engine at PP > 1 or MoE at TP/EP > 1).
+- SGLang's routed experts (`meta_info.routed_experts`, base64 int32 over every layer) decoded by
+  the sglang engine and replayed give the engine's log-probs; the request and launch flags.
+- The router's token order (pack_routes) and the refusals (dense model, full recompute, an
+  engine that reports no routes, built-in engine at PP > 1 or MoE at TP/EP > 1 -- the RL loop
+  refuses those before it builds anything).
 """
 
+import base64
 import json
 from types import SimpleNamespace
 
@@ -173,3 +177,102 @@ def test_builtin_engine_refuses_pp_and_moe_at_tp_ep():
         with pytest.raises(ValueError, match=f"MoE models at tensor or expert parallel > 1 .*"
                                              f"size={tp}, expert_model_parallel_size={ep}"):
             LeanDecoder(module, ps)
+
+
+def _sglang_response(ids: list[int], routes_all_layers: torch.Tensor, lps=None) -> dict:
+    """A `/generate` answer as SGLang writes it (routed experts: base64 of int32, every layer)."""
+    meta = {"id": "x", "finish_reason": {"type": "length"}, "weight_version": "3",
+            "routed_experts": base64.b64encode(
+                routes_all_layers.to(torch.int32).numpy().astype("<i4").tobytes()).decode()}
+    if lps is not None:
+        meta["output_token_logprobs"] = [[float(v), t, None] for v, t in zip(lps, ids)]
+    return {"output_ids": ids, "meta_info": meta}
+
+
+def test_sglang_routed_experts_replayed_give_the_engine_logprobs(moe):
+    from megatron_rl.rollout.sglang import RouteLayout, to_sample
+
+    _, policy, ref, seqs = moe
+    layout = RouteLayout.of(policy.module)
+    samples = []
+    for seq, start in zip(seqs, STARTS):
+        lp, routes = hf_engine(ref, seq, start, noise=0.5)
+        out = _sglang_response(seq[start:].tolist(), routes, lp)
+        samples.append(to_sample(seq[:start].tolist(), out, "s", 0, True, layout))
+        assert samples[-1].routed_experts.shape == routes.shape
+        assert torch.equal(samples[-1].routed_experts.long(), routes)
+        assert samples[-1].policy_version == 3
+    replayed, _ = policy.logprobs(seqs, STARTS, routing=[s.routed_experts for s in samples])
+    gap = max(float((a - s.response_logprobs).abs().max()) for a, s in zip(replayed, samples))
+    assert gap <= 1e-5, gap
+
+
+def test_sglang_route_layout_keeps_the_moe_layers_and_checks_sizes():
+    from megatron_rl.rollout.http import EngineServerError
+    from megatron_rl.rollout.sglang import RouteLayout, to_sample
+
+    layout = RouteLayout(num_layers=3, moe_layers=[0, 2], topk=2)  # layer 1 is dense
+    grid = torch.arange(4 * 3 * 2).reshape(4, 3, 2)  # prompt 2 + response 3 - 1 fed tokens
+    s = to_sample([5, 6], _sglang_response([7, 8, 9], grid), "s", 0, False, layout)
+    assert torch.equal(s.routed_experts.long(), grid[:, [0, 2]])
+    with pytest.raises(EngineServerError, match="18 ids, expected 4 fed tokens x 3 layers"):
+        to_sample([5, 6], _sglang_response([7, 8, 9], grid[:3]), "s", 0, False, layout)
+    out = _sglang_response([7, 8, 9], grid)
+    del out["meta_info"]["routed_experts"]
+    with pytest.raises(EngineServerError, match="--enable-return-routed-experts"):
+        to_sample([5, 6], out, "s", 0, False, layout)
+    assert to_sample([5, 6], out, "s", 0, False, None).routed_experts is None
+
+
+def test_sglang_asks_for_routes_only_with_replay():
+    from megatron_rl.config import RLConfig
+    from megatron_rl.rollout.sglang import SGLangClient, launch_commands
+
+    bodies = []
+    client = SGLangClient("http://x", timeout_s=1, max_retries=0, retry_backoff_s=0)
+    client.http = SimpleNamespace(post=lambda path, body: bodies.append(body) or {})
+    client.generate("r", [1, 2], {}, True)
+    client.generate("r", [1, 2], {}, True, return_routed_experts=True)
+    assert "return_routed_experts" not in bodies[0] and bodies[1]["return_routed_experts"] is True
+    sc = RLConfig().rollout.sglang
+    plain = launch_commands(sc, "/m", num_gpus=1, dtype="bfloat16", seed=0)[0]
+    replay = launch_commands(sc, "/m", num_gpus=1, dtype="bfloat16", seed=0,
+                             routed_experts=True)[0]
+    assert "--enable-return-routed-experts" not in plain
+    assert "--enable-return-routed-experts" in replay
+
+
+def test_routing_replay_refuses_an_engine_without_routes():
+    from megatron_rl.algo.losses import check_rollout_correction
+
+    cfg = RLConfig()
+    cfg.algorithm.rollout_correction.routing_replay = True
+    cfg.rollout.engine = "vllm"
+    moe_hf = {"architectures": ["Qwen3MoeForCausalLM"],
+              **{k: v for k, v in cfg.model.tiny.items() if k != "architectures"},
+              "vocab_size": 128, "num_experts": 4, "num_experts_per_tok": 2,
+              "moe_intermediate_size": 32}
+    with pytest.raises(ValueError, match="routing_replay.*rollout.engine=vllm does not return"):
+        check_rollout_correction(cfg, moe_hf, "autoregressive")
+
+
+@pytest.mark.parametrize("field", ["pipeline", "tensor", "expert"])
+def test_rl_loop_refuses_builtin_engine_layouts_before_building(tmp_path, field):
+    """The loop's setup check: nothing is built and no output folder is written."""
+    from megatron_rl.config import DataConfig, ParallelConfig
+    from megatron_rl.train import run
+
+    hf_dir = make_tiny_hf("qwen3_moe", tmp_path / "hf")
+    from megatron_rl.tokenizer import CharTokenizer
+
+    CharTokenizer().save_pretrained(hf_dir)
+    cfg = RLConfig()
+    cfg.model = ModelConfig(path=str(hf_dir), dtype="fp32")
+    cfg.data = DataConfig(max_prompt_length=32)
+    cfg.parallel = ParallelConfig(**{f"{field}_model_parallel_size": 2})
+    cfg.trainer.output_dir = str(tmp_path / "run")
+    want = ("pipeline_model_parallel_size=2" if field == "pipeline" else
+            "MoE models at tensor or expert parallel > 1")
+    with pytest.raises(ValueError, match=f"config field `rollout.engine`.*{want}"):
+        run(cfg)
+    assert not (tmp_path / "run").exists()
