@@ -2,7 +2,8 @@
 scripted external engine, on a tiny Qwen3-MoE checkpoint, at one parallel layout.
 
     torchrun --nproc_per_node N rl_layout_worker.py HF_DIR LAYOUT OUT_DIR [OVERRIDES...]
-LAYOUT: single (1 rank) | pp (PP=N) | ep (EP=N, so DP=N) | tp (TP=N, sequence parallel).
+LAYOUT: single (1 rank) | pp (PP=N) | ep (EP=N, so DP=N) | tp (TP=N, sequence parallel) |
+local (1 rank, the built-in engine instead of the scripted one).
 Every layout sees the same global samples (the engine is a pure function of the prompt), so the
 logged GRPO loss, gradient norm and rollout-correction metrics of each step must not depend on
 the layout. Rank 0 writes OUT_DIR/metrics.jsonl (the loop's own log).
@@ -21,7 +22,7 @@ def main(hf_dir: str, layout: str, out_dir: str, *extra: str) -> None:
     from megatron_rl.train import run
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    size = {"single": {}, "pp": {"pipeline_model_parallel_size": world},
+    size = {"single": {}, "local": {}, "pp": {"pipeline_model_parallel_size": world},
             "ep": {"expert_model_parallel_size": world},
             "tp": {"tensor_model_parallel_size": world}}[layout]
     overrides = [
@@ -35,9 +36,10 @@ def main(hf_dir: str, layout: str, out_dir: str, *extra: str) -> None:
     ]
     cfg = load_config(RLConfig, None, overrides, defaults=algorithm_defaults)
     _record_micro_batch_counts(out_dir)
-    ENGINES["scripted"] = EngineSpec(module="scripted_engine", kinds=("autoregressive",),
-                                     darts=False)
-    cfg.rollout.engine = "scripted"  # a test-only registry name (not one of the Literal's)
+    if layout != "local":
+        ENGINES["scripted"] = EngineSpec(module="scripted_engine", kinds=("autoregressive",),
+                                         darts=False)
+        cfg.rollout.engine = "scripted"  # a test-only registry name (not one of the Literal's)
     run(cfg)
 
 

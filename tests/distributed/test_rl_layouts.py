@@ -12,7 +12,8 @@ equal numbers mean equal old log-probs, losses, gradients and updates. TIS is on
 engine's log-probs enter the loss. At EP=2 the data-parallel ranks plan different numbers of
 micro-batches, so the run also exercises the empty micro-batches that keep the expert
 all-to-alls paired (asserted from the worker's record). The replayed routes are not the
-router's own, so replay changes the loss (asserted on the single-rank runs).
+router's own, so replay changes the loss (asserted on the single-rank runs). And the built-in
+engine's own recorded routing, replayed through the loop: its log-probs equal the actor's.
 """
 
 import json
@@ -78,3 +79,19 @@ def test_rl_step_at_two_rank_layout_matches_single_rank(reference, tmp_path, lay
         counts = [json.loads(line) for f in out.glob("mb_counts.*.jsonl")
                   for line in f.read_text().splitlines()]
         assert any(own < run for own, run in counts), counts
+
+
+def test_builtin_engine_routing_replayed_through_the_loop(reference, tmp_path):
+    """rollout.engine=local on the tiny MoE with routing replay: the engine records each fed
+    token's experts, the loop carries them to the actor, whose replayed old log-probs equal the
+    engine's (fp32) -- gap and mismatch metrics of every step."""
+    hf, _ = reference
+    out = tmp_path / "local"
+    run_torchrun([WORKER, hf, "local", str(out), *REPLAY,
+                  "algorithm.rollout_correction.metrics=true"], nproc=1)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    got = [r for r in rows if "rollout/logprob_gap_max" in r]  # trained or not (no signal)
+    assert [r["step"] for r in got] == [1, 2]
+    for row in got:
+        assert row["rollout/logprob_gap_max"] <= 1e-5, row
+        assert row["rollout_correction/mismatch_kl"] <= 1e-9, row
