@@ -41,8 +41,14 @@ from megatron_rl.actor.diffusion_policy import (
     packed_logprobs,
 )
 from megatron_rl.actor.policy import Policy
+from megatron_rl.actor.stage_sync import equal_micro_batch_count
 from megatron_rl.algo.dllm.corruption import ViewCorruption, gather, scatter, view_batches
 from megatron_rl.algo.dllm.objective import DiffusionObjective, ObjectiveBatch
+from megatron_rl.algo.dllm.sft_loss import (
+    PackedDiffusionBatch,
+    block_diffusion_batch,
+    masked_diffusion_batch,
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,6 +66,11 @@ class DiffusionLayout:
     max_tokens: int | None = None
     """Model tokens per packed forward (the [noisy | clean] layout counts twice); None: all
     samples of one view in one forward."""
+    gen_length: int = 0
+    """Masked diffusion: the sampler's canvas, i.e. response tokens it generates at once
+    (`generation_canvas`); every view holds the response then [MASK] up to this length, as the
+    sampler saw it. 0: the response alone. Block diffusion reads `block_size` instead: the
+    response's last block is filled with [MASK] up to the block grid (C.3.4)."""
 
     @classmethod
     def from_hf(cls, hf: dict, **kw) -> DiffusionLayout:
@@ -73,11 +84,48 @@ class DiffusionLayout:
         return cls(mask_id=mask_token_id(hf), shift_logits=spec.shift_logits,
                    block_size=block_size(hf) if spec.kind == "block" else 0, **kw)
 
+    def canvas(self, prompts: list[list[int]], responses: list[list[int]]) -> list[int]:
+        """Per sample, the response slots of its scored input (`corruption.pad_response`)."""
+        if self.block_size:  # the block grid starts at the first prompt token (C.3.4)
+            S = self.block_size
+            return [-(-(len(p) + len(r)) // S) * S - len(p) for p, r in zip(prompts, responses)]
+        return [max(len(r), self.gen_length) for r in responses]
+
+
+def generation_canvas(hf: dict, rollout) -> int:
+    """Response tokens the built-in sampler of a masked-diffusion family puts on its canvas at
+    once for `RolloutConfig` rollout: LLaDA (C.3.1) max_new_tokens rounded up to its block,
+    Dream (C.3.3) max_new_tokens; 0 for block-diffusion families (they decode block by block)."""
+    from megatron_rl.rollout.diffusion import DiffusionSampling
+
+    sampling = DiffusionSampling.for_model(hf, **rollout.diffusion.overrides())
+    if sampling.algorithm == "llada":
+        return -(-rollout.max_new_tokens // sampling.block_size) * sampling.block_size
+    return rollout.max_new_tokens if sampling.algorithm == "dream" else 0
+
 
 def _batches(prompts, responses, corruptions, layout: DiffusionLayout, weights=None):
     return view_batches(prompts, responses, corruptions, mask_id=layout.mask_id,
                         block_size=layout.block_size, shift_logits=layout.shift_logits,
-                        max_tokens=layout.max_tokens, weights=weights)
+                        max_tokens=layout.max_tokens, weights=weights,
+                        canvas=layout.canvas(prompts, responses))
+
+
+def _filler(layout: DiffusionLayout) -> PackedDiffusionBatch:
+    """A one-token prompt and one masked response token of weight 0: a forward (with its MoE
+    all-to-alls) that adds nothing to any log-prob or gradient."""
+    args = ([[0]], [[0]], [torch.ones(1, dtype=torch.bool)], [torch.zeros(1)])
+    if layout.block_size:
+        return block_diffusion_batch(*args, mask_id=layout.mask_id, block_size=layout.block_size)
+    return masked_diffusion_batch(*args, mask_id=layout.mask_id, shift_logits=layout.shift_logits)
+
+
+def _equal_count(policy: Policy, batches: list[PackedDiffusionBatch], layout: DiffusionLayout):
+    """`batches` padded with `_filler`s up to the count every data-parallel rank runs: under
+    expert parallelism each MoE forward is an all-to-all across them (actor/stage_sync.py), and
+    ranks with other samples pack other numbers of views."""
+    n = equal_micro_batch_count(len(batches), policy.ps)
+    return batches + [_filler(layout) for _ in range(n - len(batches))]
 
 
 @torch.no_grad()
@@ -87,7 +135,8 @@ def view_logprobs(
 ) -> list[torch.Tensor]:
     """Per sample [V, L] fp32 (CPU) log p(y_i | view v) at the masked positions, 0 elsewhere."""
     vbs = _batches(prompts, responses, corruptions, layout)
-    lps = diffusion_logprobs(policy, [vb.batch for vb in vbs], layout.mask_impl) if vbs else []
+    batches = _equal_count(policy, [vb.batch for vb in vbs], layout)
+    lps = diffusion_logprobs(policy, batches, layout.mask_impl)[: len(vbs)] if batches else []
     return scatter(vbs, lps, corruptions)
 
 
@@ -126,15 +175,18 @@ def objective_backward(
 
     vbs = _batches(*args, layout, weights=g)
     by_id = {id(vb.batch): vb for vb in vbs}
-    scale = len(vbs) * policy.ps.dp_size
+    batches = _equal_count(policy, [vb.batch for vb in vbs], layout)
+    scale = len(batches) * policy.ps.dp_size  # undo Megatron's 1/num_microbatches and DP mean
     drift = [0.0]
 
     def closure(b, lp):
+        if id(b) not in by_id:  # a filler (expert-parallel count padding)
+            return lp.sum() * 0.0, {}
         expected = gather(by_id[id(b)], values, batch.corruptions).to(lp.device)
         drift[0] = max(drift[0], float((lp.detach() - expected).abs().max()))
         return (lp * b.weights.to(lp.device)).sum() * scale, {}
 
-    diffusion_backward(policy, [vb.batch for vb in vbs], closure, layout.mask_impl)
+    diffusion_backward(policy, batches, closure, layout.mask_impl)
     return {**metrics, "loss": float(loss.detach()), "replay_max_abs_diff": drift[0],
             "num_forwards": float(len(vbs))}
 

@@ -78,13 +78,15 @@ class DiffusionLearner:
     """Diffusion LMs: stored corruptions, view log-probs and the algorithm's `DiffusionObjective`."""
 
     def __init__(self, algorithm, cfg, policy, src, ps):
-        from megatron_rl.actor.diffusion_objective import DiffusionLayout
+        from megatron_rl.actor.diffusion_objective import DiffusionLayout, generation_canvas
 
         self.cfg, self.policy, self.ps = cfg, policy, ps
         self.objective = algorithm.objective(cfg.algorithm)
         self.layout = DiffusionLayout.from_hf(src.hf_config,
                                               max_tokens=cfg.trainer.micro_batch_tokens,
-                                              mask_impl=cfg.algorithm.dllm.mask_impl)
+                                              mask_impl=cfg.algorithm.dllm.mask_impl,
+                                              gen_length=generation_canvas(src.hf_config,
+                                                                           cfg.rollout))
         self.ref = build_reference(cfg, policy, src, ps) if self.objective.needs_ref else None
 
     def _first_index(self, n: int) -> int:

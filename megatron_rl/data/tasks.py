@@ -33,6 +33,7 @@ def synthetic_arithmetic(
     mul_max_digits: int = 1,
     teacher_repeat_rate: float = 0.0,
     distinct_val: bool = False,
+    train_includes_val: bool = False,
 ) -> list[dict]:
     """`num_examples` problems "a<op>b=" with operands of min_digits..max_digits digits (the
     second factor of a product has at most mul_max_digits digits, which keeps products learnable
@@ -44,7 +45,10 @@ def synthetic_arithmetic(
     rejects it. The quickstart uses this to show what the RL stage adds: SFT copies the
     teacher's habit, GRPO with the exact-match verifier removes it. `distinct_val`: the val split
     holds each problem at most once (drawn without replacement: a small held-out split can be
-    evaluated whole, each problem once); the train split is unaffected."""
+    evaluated whole, each problem once); the train split is unaffected. `train_includes_val`:
+    the train split draws from every problem, the val ones too (an SFT warm start that has seen
+    the held-out problems, so that an RL run's held-out reward measures what RL adds on prompts
+    it never trained on, not the arithmetic a tiny model fails to generalize); val unaffected."""
     if not 0.0 <= teacher_repeat_rate <= 1.0:
         raise ValueError(f"task_kwargs.teacher_repeat_rate: {teacher_repeat_rate} not in [0, 1]")
     _check_split(split)
@@ -72,7 +76,8 @@ def synthetic_arithmetic(
         prompt = f"{a}{op}{b}="
         # Disjoint splits: the hash of the problem decides its split, whatever the seed.
         is_val = zlib.crc32(prompt.encode()) % 100 < _VAL_PERCENT
-        if is_val != (split == "val") or (distinct_val and is_val and prompt in seen):
+        wrong_split = is_val != (split == "val") and not (train_includes_val and split == "train")
+        if wrong_split or (distinct_val and is_val and split == "val" and prompt in seen):
             continue
         seen.add(prompt)
         answer = {"+": a + b, "-": a - b, "*": a * b}[op]

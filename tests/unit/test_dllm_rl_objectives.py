@@ -308,6 +308,58 @@ def test_view_batches_apply_prompt_masks_and_scatter_round_trips():
         corruption.view_batches(prompts, responses, cs, mask_id=MASK, block_size=S)
 
 
+def test_canvas_pads_every_view_with_unscored_masks():
+    """The scored input is the generation canvas: the response then [MASK] up to the sampler's
+    length (masked diffusion) or to the response's last block (block diffusion, grid from the
+    first prompt token), never scored; per-sample values come back at the response's length."""
+    from megatron_rl.actor.diffusion_objective import DiffusionLayout
+
+    prompts, responses = [[1, 2, 3], [4, 5]], [[6, 7], [10, 11, 12]]
+    cs = [_view([[True, False]], [[2.0, 0.0]]), _view([[False, True, True]], [[0.0, 1.5, 1.5]])]
+    assert DiffusionLayout(mask_id=MASK, gen_length=4).canvas(prompts, responses) == [4, 4]
+    assert DiffusionLayout(mask_id=MASK).canvas(prompts, responses) == [2, 3]
+    assert DiffusionLayout(mask_id=MASK, block_size=S).canvas(prompts, responses) == [5, 6]
+    vbs = corruption.view_batches(prompts, responses, cs, mask_id=MASK, canvas=[4, 4])
+    (b,) = [vb.batch for vb in vbs]
+    assert b.tokens.tolist() == [1, 2, 3, MASK, 7, MASK, MASK, 4, 5, 10, MASK, MASK, MASK]
+    assert b.score_pos.tolist() == [3, 10, 11] and b.weights.tolist() == [2.0, 1.5, 1.5]
+    assert b.targets.tolist() == [6, 11, 12] and b.seq_lens == [7, 6]
+    out = corruption.scatter(vbs, [torch.tensor([-1.0, -2.0, -3.0])], cs)
+    assert out[0].tolist() == [[-1, 0]] and out[1].tolist() == [[0, -2, -3]]
+    (blk,) = [vb.batch for vb in corruption.view_batches(prompts, responses, cs, mask_id=MASK,
+                                                          block_size=S, canvas=[5, 6])]
+    assert blk.seq_lens == [8, 8] and blk.tokens[:16].tolist() == [
+        1, 2, 3, MASK, 7, MASK, MASK, MASK, 1, 2, 3, 6, 7, MASK, MASK, MASK]
+    with pytest.raises(ValueError, match="canvas"):
+        corruption.view_batches(prompts, responses, cs, mask_id=MASK, canvas=[1, 4])
+
+
+def test_generation_canvas_is_the_samplers_length():
+    from megatron_rl.actor.diffusion_objective import generation_canvas
+    from megatron_rl.config import RolloutConfig
+
+    llada = {"architectures": ["LLaDAModelLM"], "mask_token_id": MASK}
+    dream = {"architectures": ["DreamModel"], "mask_token_id": MASK}
+    sdar = {"architectures": ["SDARForCausalLM"], "mask_token_id": MASK, "block_size": 4}
+    r = RolloutConfig(max_new_tokens=10)
+    r.diffusion.block_size = 4
+    assert generation_canvas(llada, r) == 12  # semi-AR blocks of 4 over ceil(10 / 4) blocks
+    assert generation_canvas(dream, r) == 10 and generation_canvas(sdar, r) == 0
+
+
+def test_train_includes_val_adds_the_held_out_problems_to_train_only():
+    from megatron_rl.data.tasks import synthetic_arithmetic
+
+    kw = dict(ops=["+"], min_digits=1, max_digits=1)
+    val = {r["prompt"] for r in synthetic_arithmetic(8, 0, "val", distinct_val=True, **kw)}
+    plain = {r["prompt"] for r in synthetic_arithmetic(2000, 0, "train", **kw)}
+    both = {r["prompt"] for r in synthetic_arithmetic(2000, 0, "train", train_includes_val=True,
+                                                      **kw)}
+    assert len(val) == 8 and not val & plain and both == plain | val and len(both) == 100
+    assert val == {r["prompt"] for r in synthetic_arithmetic(
+        8, 0, "val", distinct_val=True, train_includes_val=True, **kw)}
+
+
 # ---------------------------------------------------------------------------------------------
 # Tiny Megatron diffusion models
 

@@ -174,12 +174,14 @@ def _chunks(sizes: list[int], max_tokens: int | None) -> list[list[int]]:
 def view_batches(
     prompts: list[list[int]], responses: list[list[int]], corruptions: list[ViewCorruption], *,
     mask_id: int, block_size: int = 0, shift_logits: bool = False, max_tokens: int | None = None,
-    weights: list[torch.Tensor] | None = None,
+    weights: list[torch.Tensor] | None = None, canvas: list[int] | None = None,
 ) -> list[ViewBatch]:
     """Pack every view of every sample (view-major) into batches with scored positions.
 
     weights: per-sample [V, L] tensors to carry in the batches' `weights` instead of the
     corruptions' own (the actor passes d loss / d log-prob there for the replay pass).
+    canvas: per-sample response slots of the model input (>= the response length): the
+    response is followed by [MASK] up to it in every view, never scored (`pad_response`).
     Batches without a single masked response token are left out (nothing to score).
     """
     num_views = {c.num_views for c in corruptions}
@@ -190,6 +192,15 @@ def view_batches(
         raise ValueError("prompt masks (d1 / SPG p_mask_prompt) are implemented for masked "
                          "diffusion models only (block_size = 0); for a block-diffusion model set "
                          "p_mask_prompt = 0 (SPG: use_mask_prompt = False)")
+    if canvas is not None:
+        if len(canvas) != len(responses) or any(c < len(r) for c, r in zip(canvas, responses)):
+            raise ValueError("view_batches: canvas needs one entry per sample, each >= the "
+                             "response length")
+        responses = [pad_response(r, c, mask_id) for r, c in zip(responses, canvas)]
+        corruptions = [pad_corruption(c, len(r)) for c, r in zip(corruptions, responses)]
+        if weights is not None:
+            weights = [torch.nn.functional.pad(w, (0, len(r) - w.shape[-1]))
+                       for w, r in zip(weights, responses)]
     factor = 2 if block_size else 1
     sizes = [factor * (len(p) + len(r)) for p, r in zip(prompts, responses)]
     out = []
@@ -211,6 +222,27 @@ def view_batches(
                         b.tokens[start + torch.nonzero(pm[v]).flatten()] = mask_id
             out.append(ViewBatch(b, v, chunk))
     return out
+
+
+def pad_response(response: list[int], slots: int, mask_id: int) -> list[int]:
+    """The response followed by [MASK] up to `slots` tokens: the generation canvas as the
+    sampler saw it (masked diffusion: the whole generation length at once, C.3.1; block
+    diffusion: the response's last block), with the positions after the response unobserved.
+    Scoring the response on it is then the ELBO of the response's marginal under the model that
+    generated it (the any-order reading of C.0.2: unobserved positions stay [MASK]); scoring it
+    on a shorter input would tell the model the response length, which generation never did."""
+    return list(response) + [mask_id] * (slots - len(response))
+
+
+def pad_corruption(c: ViewCorruption, slots: int) -> ViewCorruption:
+    """`c` over `slots` response positions: the added ones never masked-and-scored (their
+    [MASK] token comes from `pad_response`), weight 0."""
+    extra = slots - c.response_length
+    if extra == 0:
+        return c
+    return ViewCorruption(masked=torch.nn.functional.pad(c.masked, (0, extra)),
+                          weight=torch.nn.functional.pad(c.weight, (0, extra)),
+                          prompt_masked=c.prompt_masked)
 
 
 def scatter(
