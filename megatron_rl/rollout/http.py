@@ -21,6 +21,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -83,6 +84,16 @@ class JsonClient:
             f"engine server running and reachable?")
 
 
+def _terminate_with_parent() -> None:
+    """In the server child before exec: SIGTERM when the process that started it dies (Linux
+    PR_SET_PDEATHSIG), so a trainer killed with kill -9 leaves no engine server holding memory;
+    the server's own SIGTERM handler stops the workers it forked."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+
+
 class ServerProcess:
     """A server subprocess this run owns: started in its own process group (so `stop` ends the
     workers it forks too), output to `log_path`, ready once `health_url` answers 200."""
@@ -101,9 +112,11 @@ class ServerProcess:
         t0 = time.perf_counter()
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=log,
-                                         stderr=subprocess.STDOUT, start_new_session=True)
+                                         stderr=subprocess.STDOUT, start_new_session=True,
+                                         preexec_fn=_terminate_with_parent)
         # Its own session survives our death: stop it when this interpreter exits for any
-        # reason the engine's close() did not run (an exception in the loop).
+        # reason the engine's close() did not run (an exception in the loop); a SIGTERM or
+        # kill -9 of the trainer reaches it through PR_SET_PDEATHSIG.
         atexit.register(self.stop)
         while time.perf_counter() - t0 < timeout_s:
             if self.proc.poll() is not None:
