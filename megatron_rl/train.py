@@ -32,6 +32,7 @@ from megatron_rl.checks import (
     check_split,
     resolve_source,
 )
+from megatron_rl.collectives import all_reduce_floats
 from megatron_rl.config import RLConfig
 from megatron_rl.data.prompts import load_prompts
 from megatron_rl.data.store_run import open_store, store_step
@@ -165,6 +166,9 @@ def _batch_metrics(batch: TrainBatch, samples, cfg, dp_size: int, t0: float,
         if mismatch_metrics_on(cfg):  # engine vs actor: KL, rho, fraction corrected (F.14)
             out.update(mismatch_metrics(batch.old_logprobs, batch.rollout_logprobs,
                                         cfg.algorithm.rollout_correction, group=dp_group))
+    # maxima over every DP rank (dp_mean then averages equal values); means stay DP means
+    peaks = [k for k in ("response_length/max", "rollout/logprob_gap_max") if k in out]
+    out.update(zip(peaks, all_reduce_floats([out[k] for k in peaks], dp_group, "max")))
     seconds = time.perf_counter() - t0
     return {**out, "throughput/tokens_per_s": n_tokens * dp_size / seconds, "time/step": seconds}
 
