@@ -30,6 +30,7 @@ for stage in "$@"; do
     actor) run "$stage" python3 tools/bench/actor.py --shape 1.7b --backend auto --recompute none ;;
     trl) run "$stage" python3 tools/bench/trl_grpo_peer.py --steps 7 ;;
     weight_sync) run "$stage" python3 tools/bench/weight_sync.py ;;
+    dllm_rl) run "$stage" python3 tools/bench/dllm_rl.py --device cuda ;;
     gpu_tests) run "$stage" python3 -m pytest -m gpu tests -q -x ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
