@@ -17,6 +17,7 @@ what RL adds there, not the arithmetic a tiny model fails to generalize.
   after - before >= MARGIN, the replayed view log-probs equal the scored ones (1e-5), every
   update of the one-update-per-rollout algorithms evaluated at pi_old (ratio exactly 1), and
   VRPO found preference pairs.
+- The H200 benchmark's code path (tools/bench/dllm_rl.py --smoke, a tiny shape on CPU).
 - Full (MEGATRON_RL_DLLM_FULL=1): the recipes as written (all three operators, 31 held-out
   problems; SFT 600 / 400 steps; 40 RL steps of 16 x 8), margins FULL_MARGIN; the figures and
   commands are in docs/experiments/dllm_rl.md.
@@ -128,3 +129,20 @@ def test_full_recipes_raise_held_out_reward(tmp_path):
     runs = _pipeline(tmp_path, full=True)
     for algo, run in runs.items():
         _check(run, algo, FULL_MARGIN[algo])
+
+
+def test_bgpo_update_bench_smoke_runs_on_cpu():
+    """tools/bench/dllm_rl.py --smoke (the H200 benchmark's code path on a tiny shape): one JSON
+    line per mask (kernel BlockMask, dense baseline) and the ratio; both updates are the loop's
+    (replay equals the scored values, evaluated at pi_old) and agree with each other."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
+    proc = subprocess.run([sys.executable, "tools/bench/dllm_rl.py", "--smoke"], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
+    runs = {r["mask_impl"]: r for r in lines if r["bench"] == "bgpo_update"}
+    assert sorted(runs) == ["dense", "kernel"] and lines[-1]["bench"] == "bgpo_update_ratio"
+    for r in runs.values():
+        assert r["tokens_per_s"] > 0 and r["forwards"] == 2 and r["ratio_max"] == 1.0
+        assert r["replay_max_abs_diff"] <= 1e-5
+    assert runs["kernel"]["grad_norm"] == pytest.approx(runs["dense"]["grad_norm"], rel=1e-4)

@@ -3,8 +3,9 @@ model: tokens/s with the C.2 mask as the kernel-built BlockMask vs built from th
 mask (the baseline), both in the same run.
 
     python tools/bench/dllm_rl.py --device cuda       # H200: Qwen3-0.6B shape, 8 x 2048, mc_num 16
-    python tools/bench/dllm_rl.py --device cpu --shape tiny --samples 4 --seq-len 64 --mc-num 2 \
-        --steps 1                                     # CPU smoke run
+    python tools/bench/dllm_rl.py --smoke             # CPU smoke run: --device cpu --shape tiny
+                                                      #   --samples 4 --seq-len 64 --mc-num 2 --steps 1
+    bash tools/bench/h200_session.sh dllm_rl          # on the H200 device (stage dllm_rl)
 
 An update is what `megatron-rl train` runs per RL step after the rollout: `learner.score` (the
 stored stratified corruptions of --mc-num views per sample and their old view log-probs: mc_num
@@ -48,7 +49,13 @@ def main() -> None:
     ap.add_argument("--block", type=int, default=4)
     ap.add_argument("--mc-num", type=int, default=16)
     ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--smoke", action="store_true",
+                    help="CPU smoke run: --device cpu --shape tiny --samples 4 --seq-len 64 "
+                         "--mc-num 2 --steps 1 (what the CI test runs)")
     args = ap.parse_args()
+    if args.smoke:
+        args.device, args.shape, args.samples, args.seq_len = "cpu", "tiny", 4, 64
+        args.mc_num, args.steps = 2, 1
     if args.device == "cpu":  # before CUDA is initialized: the parallel setup takes any GPU it sees
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
     elif args.device == "cuda" and not torch.cuda.is_available():
@@ -92,7 +99,11 @@ def main() -> None:
     rewards = torch.tensor([s.reward for s in samples])
     n_real = args.samples * args.seq_len
     results = {}
+    start = [p.detach().clone() for p in model.parameters()]  # both impls start from these
     for impl in ("kernel", "dense"):
+        with torch.no_grad():
+            for p, p0 in zip(model.parameters(), start):
+                p.copy_(p0)
         cfg = RLConfig(algorithm=AlgorithmConfig(
             name="bgpo", dllm=DiffusionRLConfig(mc_num=args.mc_num, mask_impl=impl)),
             trainer=TrainerConfig(micro_batch_tokens=2 * n_real, seed=1))
