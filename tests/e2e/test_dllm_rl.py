@@ -19,8 +19,9 @@ what RL adds there, not the arithmetic a tiny model fails to generalize.
   VRPO found preference pairs.
 - The H200 benchmark's code path (tools/bench/dllm_rl.py --smoke, a tiny shape on CPU).
 - Full (MEGATRON_RL_DLLM_FULL=1): the recipes as written (all three operators, 31 held-out
-  problems; SFT 600 / 400 steps; 40 RL steps of 16 x 8), margins FULL_MARGIN; the figures and
-  commands are in docs/experiments/dllm_rl.md.
+  problems; SFT 600 / 400 steps; 40 RL steps of 16 x 8), margins FULL_MARGIN: 0.26 = 2 x the
+  widest range of the gain over trainer.seed 1 / 2 / 3 of the RL runs (0.129, coupled_grpo, spg,
+  bgpo; the smallest gain measured is 0.323). Figures and commands: docs/experiments/dllm_rl.md.
 
 CI margins, measured: held-out pass@1 gain (after - before; before is 0.0 or 0.125) of the whole
 CI chain, SFT and RL, at trainer.seed 1 / 2 / 3 (seed 1, the default, is what the test runs):
@@ -59,7 +60,7 @@ CI_SFT_COMMON = [f"data.task_kwargs={{{ADD}, teacher_repeat_rate: 0.7, train_inc
 CI_RL = [f"data.task_kwargs={{{ADD}, distinct_val: true}}", "data.num_val_examples=8",
          "trainer.num_eval_examples=8", "data.train_batch_size=8", "trainer.total_steps=30"]
 MARGIN = dict.fromkeys(ALGORITHMS, 0.5)
-FULL_MARGIN = dict.fromkeys(ALGORITHMS, 0.2)
+FULL_MARGIN = dict.fromkeys(ALGORITHMS, 0.26)
 FULL = os.environ.get("MEGATRON_RL_DLLM_FULL") == "1"
 
 
