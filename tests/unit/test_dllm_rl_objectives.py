@@ -413,7 +413,10 @@ def test_stored_corruption_gives_ratio_exactly_one_and_replay_equals_reference(s
     model, hf = _model(single_rank, arch)
     policy = build_policy(model, model.config, single_rank, None)  # bare module (no DDP) ...
     model.requires_grad_(True)  # ... whose gradients land in .grad
-    layout = DiffusionLayout.from_hf(hf, max_tokens=24)
+    # scored on the generation canvas (masked diffusion: [MASK] up to gen_length after each
+    # response; block diffusion: up to its last block), as the learner does
+    layout = DiffusionLayout.from_hf(hf, max_tokens=24,
+                                     gen_length=max(len(r) for r in RESPONSES) + 3)
     cs = obj.corruptions(PROMPTS, RESPONSES, seed=5, sample_indices=[0, 1, 2, 3], iteration=0)
     old = view_logprobs(policy, PROMPTS, RESPONSES, cs, layout)
     assert all(bool((o[c.masked] < 0).all()) and not o[~c.masked].any() for o, c in zip(old, cs))
