@@ -198,11 +198,46 @@ class DartsConfig:
     length_ema: float = 0.3
     """EMA weight alpha of a prompt's length spread across visits (B.4.1)."""
 
+    streaming: bool = False
+    """Token streaming (B.6, per-sample overlap): each sample that finishes and will be trained
+    on goes through the token streaming buffer (csrc/streaming) and its old (and reference)
+    log-probs are computed while decoding continues -- on CPU interleaved between decode steps,
+    on CUDA on a second stream (`stream_side_stream`); only what finishes last is scored after
+    the rollout. The numbers equal the non-streamed step's. Works with the pools (`enabled`),
+    with `roll` and with plain n-per-prompt generation; built-in engine (`local`) only.
+    Metrics: darts/logprob_streamed_s, darts/logprob_exposed_s, darts/logprob_hidden_frac."""
+
+    stream_chunk: int = 0
+    """Streaming: samples scored per streamed forward (one per decode step at most); 0 = a
+    quarter of the step's trained samples, B*M/4 as in DARTS (B.6)."""
+
+    stream_side_stream: bool = True
+    """Streaming on CUDA: run the streamed forwards on a second CUDA stream without a host sync
+    (they overlap the decode steps on the GPU); False interleaves them on the decode stream.
+    On CPU there is one stream: the forwards are interleaved between decode steps either way."""
+
+    roll: bool = False
+    """Roll mode (B.5, prompt-level early stop with partial rollout): ceil(roll_oversample * B)
+    groups are generated at once (groups carried from the last step first, then new prompts);
+    the step stops as soon as B groups have all n samples finished and trains on those; every
+    other request is aborted and carried into the next step with its tokens so far, which it
+    continues from (each carried sample records the policy versions that wrote its tokens).
+    The carried samples are saved in checkpoints. Not with the pools (`enabled`) nor with DAPO
+    dynamic sampling."""
+
+    roll_oversample: float = 1.25
+    """Roll mode: eta, the groups in flight per step as a multiple of the per-step batch."""
+
     def __post_init__(self):
         _check(1.0 <= self.redundancy <= self.max_redundancy, "rollout.darts.redundancy",
                "must be in [1, rollout.darts.max_redundancy]")
         _check(self.long_end >= 0, "rollout.darts.long_end", "must be >= 0")
         _check(0 < self.length_ema <= 1, "rollout.darts.length_ema", "must be in (0, 1]")
+        _check(self.stream_chunk >= 0, "rollout.darts.stream_chunk", "must be >= 0")
+        _check(self.roll_oversample >= 1.0, "rollout.darts.roll_oversample", "must be >= 1")
+        _check(not (self.roll and self.enabled), "rollout.darts.roll",
+               "roll mode with the redundant pools (rollout.darts.enabled=true) is not "
+               "implemented; use one of them")
 
 
 @dataclass(kw_only=True)

@@ -43,7 +43,7 @@ from megatron_rl.parallel import destroy_parallel, init_parallel
 from megatron_rl.recipe import config_main
 from megatron_rl.rewards import build_reward
 from megatron_rl.rollout import ENGINES, EngineContext, build_engine, check_engine
-from megatron_rl.rollout.collect import Collector
+from megatron_rl.rollout.collect import Collector, check_darts_modes
 from megatron_rl.run_dir import prepare_output_dir
 from megatron_rl.run_state import RunState, guarded_update
 from megatron_rl.types import TrainBatch, group_index
@@ -71,7 +71,7 @@ def run(cfg: RLConfig) -> dict:
                                                      tokenizer=tok, src=src,
                                                      seed=tr.seed * 1000 + ps.dp_rank))
     timer = Timer()
-    collector = Collector(engine, reward_fn, tok, cfg, ps, timer)
+    collector = Collector(engine, reward_fn, tok, cfg, ps, timer, learner=learner)
     run_eval = build_evaluator(engine, val, reward_fn, tok, cfg, ps)  # pass@1 (+ pass@k)
     state = {"data": data, "scheduler": policy.scheduler, "engine": engine, "collector": collector}
     run = RunState(cfg, plan, policy, src, ps, state)  # resumes plan.checkpoint (every rank's)
@@ -87,14 +87,14 @@ def run(cfg: RLConfig) -> dict:
     t_start = time.perf_counter()
     for step in range(start + 1, tr.total_steps + 1):
         t0 = time.perf_counter()
-        groups, metrics = collector.collect(batches)                  # 1. rollout + rewards
+        groups, metrics = collector.collect(batches, step)            # 1. rollout + rewards
         engine.sleep()  # free generation memory for training (colocated)
         samples = [s for g in groups for s in g.samples]              # 2. advantages
         rewards = torch.tensor([s.reward for s in samples])
         adv = algo.advantages(cfg.algorithm, rewards, group_index(samples))
         batch = TrainBatch.from_samples(samples, adv)
         with timer("old_logprobs"):                                   # 3. old / ref log-probs
-            learner.score(batch, step)
+            metrics.update(collector.score(batch, step))  # learner.score / DARTS-streamed
         with timer("train"):                                          # 4. policy update
             metrics.update(guarded_update(learner.update, batch, cfg, ps, run.bad_steps, step))
         store_step(store, cfg, ps, step, samples, adv, batch)  # DP-gathered; rank 0 writes
@@ -144,6 +144,7 @@ def _check_setup(cfg: RLConfig, src, algo) -> str:
     check_model_fit(cfg, src)  # tokenizer vs vocabulary, sequence length vs positions
     check_outputs_available(cfg.trainer, rl=True)  # wandb, zarr
     name = check_engine(cfg.rollout, kind, darts=cfg.rollout.darts.enabled)
+    check_darts_modes(cfg, name, kind)  # rollout.darts.streaming / roll
     assert name in ENGINES
     if name == "local":  # no PP, MoE only at TP = EP = 1
         from megatron_rl.rollout.local import check_layout

@@ -51,16 +51,18 @@ class ARLearner:
         self.make_loss = algorithm.loss
         self.ref = build_reference(cfg, policy, src, ps) if cfg.algorithm.kl_coef > 0 else None
 
-    def score(self, batch: TrainBatch, step: int) -> None:
-        """Old (and reference) log-probs of every sample, recomputed by the actor."""
+    def score(self, batch: TrainBatch, step: int, *, non_blocking: bool = False) -> None:
+        """Old (and reference) log-probs of every sample, recomputed by the actor.
+        non_blocking: results stay on the device (`Policy.logprobs`; DARTS streaming)."""
         seqs = [batch.input_ids(i) for i in range(len(batch))]
         starts = [len(p) for p in batch.prompt_ids]
         temperature = self.cfg.rollout.temperature
         routing = routes_to_replay(batch, self.cfg)  # MoE R3: the engine's experts, or None
         batch.old_logprobs, _ = self.policy.logprobs(seqs, starts, temperature=temperature,
-                                                     routing=routing)
+                                                     routing=routing, non_blocking=non_blocking)
         if self.ref is not None:
-            batch.ref_logprobs, _ = self.ref.logprobs(seqs, starts, temperature=temperature)
+            batch.ref_logprobs, _ = self.ref.logprobs(seqs, starts, temperature=temperature,
+                                                      non_blocking=non_blocking)
 
     def update(self, batch: TrainBatch) -> dict[str, float]:
         cfg, tr = self.cfg, self.cfg.trainer

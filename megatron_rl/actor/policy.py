@@ -218,10 +218,13 @@ class Policy:
     def logprobs(
         self, seqs: list[torch.Tensor], starts: list[int], temperature: float = 1.0,
         with_entropy: bool = False, routing: list[torch.Tensor] | None = None,
+        non_blocking: bool = False,
     ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
         """Response log-probs per sample ([len_i - start_i] fp32, on CPU), on every pipeline
         stage (broadcast from the last). routing: per-sample routed experts to replay (MoE R3,
-        actor/routing_replay.py), None to route afresh."""
+        actor/routing_replay.py), None to route afresh. non_blocking: leave the results on the
+        device, with no host sync (DARTS streaming launches these forwards on a second CUDA
+        stream between decode steps and syncs later, rollout/streaming.py)."""
         self.model.eval()
         mbs = self._plan(seqs, starts, routing)
         lps: list = [None] * len(seqs)
@@ -230,8 +233,8 @@ class Policy:
         def closure(mb, logits):
             lp, ent = self._response_logprobs(logits, mb, temperature, with_entropy)
             for i, a, h in zip(mb.indices, lp, ent):
-                lps[i] = a.cpu()
-                ents[i] = h.cpu() if h is not None else None
+                lps[i] = a if non_blocking else a.cpu()
+                ents[i] = None if h is None else h if non_blocking else h.cpu()
             return logits.new_zeros(()), {}
 
         self._run(mbs, forward_only=True, loss_closure=closure)

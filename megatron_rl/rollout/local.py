@@ -161,8 +161,13 @@ class LocalEngine:
         return self._run([p for p in prompts for _ in range(n)], sampling)
 
     @torch.no_grad()
-    def _run(self, requests: list[list[int]], sampling: SamplingParams, group=None, counters=None):
-        """Seed, eval mode and abort bookkeeping around one batch of requests (both decoders)."""
+    def _run(self, requests: list[list[int]], sampling: SamplingParams, group=None, counters=None,
+             listener=None, budgets=None):
+        """Seed, eval mode and abort bookkeeping around one batch of requests (both decoders).
+        listener / budgets: see `generate_requests` (lean decoder only)."""
+        if (listener is not None or budgets is not None) and self._lean is None:
+            raise ValueError("streamed generation (a rollout listener or per-request budgets, "
+                             "rollout.darts.streaming / roll) needs the lean decoder")
         if sampling.seed is not None:
             self.generator.manual_seed(sampling.seed)
         if any(len(p) == 0 for p in requests):
@@ -172,7 +177,8 @@ class LocalEngine:
         self.module.eval()
         try:
             if self._lean is not None:
-                out = self._generate_continuous(requests, sampling, group, counters)
+                out = self._generate_continuous(requests, sampling, group, counters, listener,
+                                                budgets)
             else:
                 for s in range(0, len(requests), self.max_batch_size):
                     out += self._generate_wave(requests[s : s + self.max_batch_size], sampling)
@@ -303,19 +309,37 @@ class LocalEngine:
             return self.max_batch_size
         return min(self.max_batch_size, 1 << (n_requests - 1).bit_length())
 
-    def generate_groups(self, prompts: list[list[int]], counters: list, sampling: SamplingParams
-                        ) -> tuple[list[list[Sample]], dict[str, float]]:
+    def generate_requests(self, requests: list[list[int]], sampling: SamplingParams, *,
+                          listener=None, budgets: list[int] | None = None) -> list[Sample | None]:
+        """One sample per request (token ids), in request order, for DARTS' streaming and roll
+        modes (docs/algorithms.md B.5-B.6). budgets[i]: most new tokens of request i (<=
+        sampling.max_new_tokens; a carried partial response continues with what it has left).
+        listener (`rollout.streaming.RolloutListener`): `on_finish(i, sample)` as each request
+        ends -- a True return stops the call: the running requests end with finish_reason
+        `abort` and the tokens so far, the unstarted ones come back as None -- and `poll()`
+        between decode steps (where streamed log-prob work runs)."""
+        if budgets is not None:
+            if len(budgets) != len(requests):
+                raise ValueError(f"{len(budgets)} budgets for {len(requests)} requests")
+            if any(not 1 <= b <= sampling.max_new_tokens for b in budgets):
+                raise ValueError(f"per-request budgets must be in [1, {sampling.max_new_tokens}]")
+        return self._run(requests, sampling, listener=listener, budgets=budgets)
+
+    def generate_groups(self, prompts: list[list[int]], counters: list, sampling: SamplingParams,
+                        listener=None) -> tuple[list[list[Sample]], dict[str, float]]:
         """DARTS generation (docs/algorithms.md B.3/B.5, `rollout.darts`): counters[k].m requests
         for prompts[k], kept or rejected by the prompt's `DualEndCounter` in finishing order, the
         rest of a prompt aborted once its counter says `prune`. Returns the kept samples of each
-        prompt (request order) and the counts of generated, rejected and pruned ones."""
+        prompt (request order) and the counts of generated, rejected and pruned ones.
+        listener: as in `generate_requests` (its index is the request's; requests are the
+        prompts' pools in prompt order; the sample's metadata says `darts_kept`)."""
         if self._lean is None:
             raise ValueError("DARTS generation needs the lean decoder (LocalEngine decoder=auto)")
         if len(counters) != len(prompts):
             raise ValueError(f"{len(counters)} DARTS counters for {len(prompts)} prompts")
         requests = [p for p, c in zip(prompts, counters) for _ in range(c.m)]
         group = [k for k, c in enumerate(counters) for _ in range(c.m)]
-        samples = self._run(requests, sampling, group, counters)
+        samples = self._run(requests, sampling, group, counters, listener)
         out: list[list[Sample]] = [[] for _ in prompts]
         stats = {"generated": 0, "rejected": 0, "pruned": 0, "generated_tokens": 0}
         for k, s in zip(group, samples):
@@ -333,7 +357,8 @@ class LocalEngine:
         return out, stats
 
     def _generate_continuous(self, requests: list[list[int]], sp: SamplingParams,
-                             group: list[int] | None = None, counters: list | None = None
+                             group: list[int] | None = None, counters: list | None = None,
+                             listener=None, budgets: list[int] | None = None
                              ) -> list[Sample | None]:
         dec, dev = self._lean, self.ps.device
         n_req, max_new = len(requests), sp.max_new_tokens
@@ -351,6 +376,8 @@ class LocalEngine:
         host_tokens = bool(sp.stop)  # stop strings need the text of every response each step
         slot_req = np.full(B, -1)
         count = np.zeros(B, dtype=np.int64)
+        limit = np.full(B, max_new, dtype=np.int64)  # new tokens allowed per slot (budgets)
+        stop_all: list[bool] = []  # the listener asked to stop (generate_requests)
         pos = np.zeros(B, dtype=np.int64)
         texts: list[list[int]] = [[] for _ in range(B)]
         results: list[Sample | None] = [None] * n_req
@@ -380,6 +407,8 @@ class LocalEngine:
                         "short" if c.finished <= c.n - c.long else "long")
                 if c.prune:
                     newly_pruned.add(group[r])
+            if listener is not None and listener.on_finish(r, results[r]):
+                stop_all.append(True)
 
         def prune() -> None:
             """Abort the running requests of prompts whose counter says so (B.5 tail pruning)."""
@@ -405,7 +434,7 @@ class LocalEngine:
             hit = torch.isin(tokens, stop_ids).cpu().numpy()[rows] if sp.stop_token_ids else None
             if not host_tokens and not self._aborted:  # the vectorized common case
                 stop = hit if hit is not None else np.zeros(len(slots), dtype=bool)
-                full = ~stop & (count[slots] >= max_new)
+                full = ~stop & (count[slots] >= limit[slots])
                 done = [(int(s_), "stop") for s_ in slots[stop]]
                 done += [(int(s_), "length") for s_ in slots[full]]
             else:
@@ -420,7 +449,7 @@ class LocalEngine:
                         done.append((slot, "stop"))
                     elif ids[slot_req[slot]] in self._aborted:
                         done.append((slot, "abort"))
-                    elif count[slot] >= max_new:
+                    elif count[slot] >= limit[slot]:
                         done.append((slot, "length"))
             finish_all(done)
 
@@ -456,14 +485,28 @@ class LocalEngine:
                 dec.tokens[st] = tokens
                 dec.positions[st] = torch.tensor(lengths, device=dev)
                 slot_req[slots], count[slots], pos[slots] = chunk, 1, lengths
+                if budgets is not None:
+                    limit[slots] = [budgets[r] for r in chunk]
                 for s_ in slots.tolist():
                     texts[s_] = []
                 after_sample(slots, tokens, np.arange(len(slots)))
                 prune()
                 start = end
+                if stop_all:
+                    break
+
+        def stop() -> None:
+            """The listener said stop: the running requests end as aborted, the rest unstarted."""
+            queue.clear()
+            finish_all([(int(s_), "abort") for s_ in np.flatnonzero(slot_req >= 0)])
 
         refill_at = max(1, B // 4)
         while queue or (slot_req >= 0).any():
+            if stop_all:
+                stop()
+                break
+            if listener is not None:
+                listener.poll()
             free = np.flatnonzero(slot_req < 0).tolist()
             busy = B - len(free)
             if queue and free and (len(free) >= refill_at or busy == 0 or len(queue) <= len(free)):
