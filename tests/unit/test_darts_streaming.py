@@ -115,3 +115,17 @@ def test_streaming_refusals_name_the_field():
         Collector(NoStream(), None, Tok(), cfg, PS(), None, learner=object())
     with pytest.raises(ValueError, match="rollout.darts.stream_chunk"):
         DartsConfig(stream_chunk=-1)
+
+
+@pytest.mark.gpu
+def test_streamed_step_equals_plain_step_cuda(tmp_path):
+    """The same on CUDA, where the streamed forwards run on a second stream with no host sync
+    (rollout.darts.stream_side_stream); fp32 so the bound is the CPU one."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    base = BASE + ["rollout.darts.enabled=true", "model.dtype=fp32"]
+    run_worker([(str(tmp_path / "plain"), base), (str(tmp_path / "streamed"), base + STREAM)],
+               tmp_path)
+    steps = compare_runs(tmp_path / "plain", tmp_path / "streamed")
+    assert all(r["darts/streamed_samples"] >= 8 for r in steps)
