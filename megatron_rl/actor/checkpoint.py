@@ -82,6 +82,13 @@ def _rank0() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
+# The distributed optimizer's state is written in Megatron's `fully_reshardable` layout: gathered
+# to one tensor per parameter, so a checkpoint resumes at another DP size (its default,
+# `fully_sharded_model_space`, writes flattened ranges that megatron-core 0.16 refuses to save).
+# A plain optimizer ignores the key.
+OPTIM_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
+
+
 def save_checkpoint(
     model,
     ckpt_dir: str,
@@ -107,10 +114,50 @@ def save_checkpoint(
         dist.barrier()
     state = {"model": model.sharded_state_dict(prefix="model.")}
     if optimizer is not None:
-        state["optimizer"] = optimizer.sharded_state_dict(state["model"])
+        state["optimizer"] = optimizer.sharded_state_dict(state["model"], metadata=OPTIM_METADATA)
     dist_checkpointing.save(state, model_dir)
     if dist.is_initialized():
         dist.barrier()
+
+
+def _allocate_optimizer_state(optimizer) -> None:
+    """Give a fresh distributed optimizer's inner Adam its state (zeros, step 0) before loading.
+
+    Without apex / Transformer Engine, megatron-core's DistributedOptimizer builds its load-time
+    state dict from the inner torch optimizer's per-parameter `step`, which a never-stepped
+    optimizer does not have yet; the values are overwritten by the load.
+    """
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if not isinstance(opt, DistributedOptimizer) or len(opt.optimizer.state) > 0:
+            continue
+        opt.init_state_fn(opt.optimizer, opt.config)
+        for state in opt.optimizer.state.values():
+            state.setdefault("step", torch.zeros((), dtype=torch.float32))
+
+
+def _restore_adam_steps(optimizer) -> None:
+    """Give every parameter of a loaded distributed optimizer its own Adam `step`, from its group.
+
+    megatron-core 0.16's DistributedOptimizer (without apex / TE) restores the step as one tensor
+    shared by every parameter's state, which its bucket-state load then leaves at the allocated
+    value; torch's Adam increments each state's step in place, so a shared tensor would count
+    once per parameter. The group's saved `step` is the true count.
+    """
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if not isinstance(opt, DistributedOptimizer):
+            continue
+        inner = opt.optimizer
+        for group in inner.param_groups:
+            if group.get("step") is None:
+                continue
+            for p in group["params"]:
+                state = inner.state.get(p)
+                if state and "step" in state:
+                    state["step"] = torch.full_like(state["step"], float(group["step"]))
 
 
 def load_checkpoint(model, ckpt_dir: str, *, optimizer=None) -> dict:
@@ -125,7 +172,9 @@ def load_checkpoint(model, ckpt_dir: str, *, optimizer=None) -> dict:
         raise ValueError(f"folder `{ckpt_dir}`: no `{MODEL_SUBDIR}/` dist_checkpointing folder")
     sharded = {"model": model.sharded_state_dict(prefix="model.")}
     if optimizer is not None:
-        sharded["optimizer"] = optimizer.sharded_state_dict(sharded["model"], is_loading=True)
+        _allocate_optimizer_state(optimizer)
+        sharded["optimizer"] = optimizer.sharded_state_dict(sharded["model"], is_loading=True,
+                                                            metadata=OPTIM_METADATA)
     try:
         state = dist_checkpointing.load(sharded, model_dir)
     except (OSError, RuntimeError, KeyError, EOFError, ValueError) as e:
@@ -136,7 +185,9 @@ def load_checkpoint(model, ckpt_dir: str, *, optimizer=None) -> dict:
     if missing:
         raise ValueError(f"checkpoint `{model_dir}`: missing tensors {missing[:5]}")
     if optimizer is not None:
-        optimizer.load_state_dict(state["optimizer"])
+        with torch.no_grad():  # the distributed optimizer copies into its leaf main params
+            optimizer.load_state_dict(state["optimizer"])
+        _restore_adam_steps(optimizer)
     return read_extra(ckpt_dir) if os.path.exists(os.path.join(ckpt_dir, "extra.json")) else {}
 
 

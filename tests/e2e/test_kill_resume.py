@@ -12,8 +12,10 @@ command, until it finishes. Then:
 
 CI runs a few kills (`KILLS`, about a minute); the full harness, >= 20 kills of which >= 5
 during a save, is `MEGATRON_RL_KILL_TRIALS=24 python -m pytest tests/e2e/test_kill_resume.py`.
-The two-rank test resumes a gloo DP=2 run with dynamic sampling and DARTS: each rank's RNG,
-data cursor and DARTS statistics come back, so the rows equal the straight run's.
+The two-rank test resumes a gloo DP=2 run with dynamic sampling, DARTS and the distributed
+optimizer: each rank's RNG, data cursor, DARTS statistics and optimizer shard come back, so the
+rows equal the straight run's and the final weights are bit-identical. The `gpu` test does the
+same on one CUDA device in bf16 (the distributed optimizer on torch's fused Adam).
 """
 
 from __future__ import annotations
@@ -150,7 +152,8 @@ def test_two_rank_run_with_dynamic_sampling_and_darts_resumes_exactly(tmp_path):
 
     base = ["-m", "megatron_rl.cli", "train", *ARGS[:14], "trainer.eval_interval=0",
             "algorithm.dynamic_sampling=true", "rollout.darts.enabled=true",
-            "rollout.darts.redundancy=1.5", "rollout.temperature=1.2"]
+            "rollout.darts.redundancy=1.5", "rollout.temperature=1.2",
+            "optimizer.use_distributed_optimizer=true"]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     run_torchrun(base + ["trainer.total_steps=4", f"trainer.output_dir={straight}"], timeout=600)
     run_torchrun(base + ["trainer.total_steps=2", f"trainer.output_dir={resumed}"], timeout=600)
@@ -160,6 +163,27 @@ def test_two_rank_run_with_dynamic_sampling_and_darts_resumes_exactly(tmp_path):
     want, got = _rows(str(straight)), _rows(str(resumed))
     assert [r["step"] for r in got] == [r["step"] for r in want]
     assert got == want
+    assert _weights(str(resumed)) == _weights(str(straight))
+
+
+@pytest.mark.gpu
+def test_distributed_optimizer_resumes_exactly_on_cuda(tmp_path):
+    """bf16 on one CUDA device with the distributed optimizer: 4 steps straight == 2 steps,
+    stop, resume, 2 more (rows equal, final weights bit-identical)."""
+    import torch
+
+    assert torch.cuda.is_available(), "run with -m gpu on a CUDA machine"
+    base = [sys.executable, "-m", "megatron_rl.cli", "train", *ARGS[:14],
+            "trainer.eval_interval=0", "model.dtype=bf16", "trainer.save_interval=2",
+            "optimizer.use_distributed_optimizer=true"]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    for out, steps in ((straight, 4), (resumed, 2), (resumed, 4)):
+        r = subprocess.run(base + [f"trainer.total_steps={steps}", f"trainer.output_dir={out}"],
+                           cwd=REPO, env=_env("gpu"), capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+    want, got = _rows(str(straight)), _rows(str(resumed))
+    assert [r["step"] for r in got] == [1, 2, 3, 4] and got == want
+    assert _weights(str(resumed)) == _weights(str(straight))
 
 
 @pytest.mark.slow

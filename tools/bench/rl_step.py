@@ -92,9 +92,18 @@ def main() -> None:
                                   progress_bar=False, num_eval_examples=32,
                                   micro_batch_layout=args.layout),
         )
-    result = train.run(cfg)
     name = "rl_step_peer" if args.peer else "rl_step"
     tag = {"layout": cfg.trainer.micro_batch_layout, "keep_graphs": cfg.rollout.keep_decode_graphs}
+    try:
+        result = train.run(cfg)
+    except BaseException as e:  # the steps that finished are still figures: print them, re-raise
+        result = {"failed": f"{type(e).__name__}: {str(e)[:300]}"}
+        _print(name, tag, out, result, read_metrics)
+        raise
+    _print(name, tag, out, result, read_metrics)
+
+
+def _print(name: str, tag: dict, out: str, result: dict, read_metrics) -> None:
     rows = [r for r in read_metrics(out) if "reward/mean" in r]
     for row in rows:
         print(json.dumps({"bench": name, **tag, "step": row["step"],
@@ -103,6 +112,9 @@ def main() -> None:
                              if k.startswith("time/") and k != "time/step"},
                           "response_length": row["response_length/mean"],
                           "logprob_gap_max": row.get("rollout/logprob_gap_max")}))
+    if not rows:
+        print(json.dumps({"bench": name, **tag, "summary": "no step finished", **result}))
+        return
     late = [r for r in rows if r["step"] >= 3] or rows
     keys = sorted({k for r in late for k in r if k.startswith("time/")})
     print(json.dumps({"bench": name, **tag, "summary": "median of steps >= 3",
