@@ -47,7 +47,7 @@ SKIP = ("time/", "throughput/")
 
 
 def _env(marker: str) -> dict:
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO, HF_HUB_OFFLINE="1",
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]), HF_HUB_OFFLINE="1",
                 MEGATRON_RL_KILL_MARKER=marker)
 
 
