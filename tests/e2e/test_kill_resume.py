@@ -47,7 +47,8 @@ SKIP = ("time/", "throughput/")
 
 
 def _env(marker: str) -> dict:
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]), HF_HUB_OFFLINE="1",
+    path = os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")])
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path, HF_HUB_OFFLINE="1",
                 MEGATRON_RL_KILL_MARKER=marker)
 
 
@@ -182,7 +183,7 @@ def test_distributed_optimizer_resumes_exactly_on_cuda(tmp_path):
                            cwd=REPO, env=_env("gpu"), capture_output=True, text=True, timeout=600)
         assert r.returncode == 0, r.stderr[-3000:]
     want, got = _rows(str(straight)), _rows(str(resumed))
-    assert [r["step"] for r in got] == [1, 2, 3, 4] and got == want
+    assert [r["step"] for r in got] == [r["step"] for r in want] and got == want
     assert _weights(str(resumed)) == _weights(str(straight))
 
 

@@ -38,7 +38,8 @@ NUMERIC = ("actor/", "grad_norm", "rollout/logprob_gap")
 
 
 def run_worker(runs: list[tuple[str, list[str]]], cwd) -> None:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]), HF_HUB_OFFLINE="1")
+    path = os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path, HF_HUB_OFFLINE="1")
     proc = subprocess.run([sys.executable, WORKER, json.dumps(runs)], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
