@@ -82,10 +82,12 @@ def _rank0() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
-# The distributed optimizer's state is written in Megatron's `fully_reshardable` layout: gathered
-# to one tensor per parameter, so a checkpoint resumes at another DP size (its default,
-# `fully_sharded_model_space`, writes flattened ranges that megatron-core 0.16 refuses to save).
-# A plain optimizer ignores the key.
+# The distributed optimizer's state is written in Megatron's `dp_reshardable` layout: each rank's
+# bucket shards as they are, no gather; it resumes at another DP size, not at another TP / PP
+# (megatron-core then asserts on the bucket sizes). Its default, `fully_sharded_model_space`,
+# writes flattened ranges that megatron-core 0.16 refuses to save, and `fully_reshardable` fails
+# to load without apex / TE (its param-state copy expects no Adam `step`). A plain optimizer
+# ignores the key.
 OPTIM_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
 
 

@@ -15,7 +15,7 @@ during a save, is `MEGATRON_RL_KILL_TRIALS=24 python -m pytest tests/e2e/test_ki
 The two-rank test resumes a gloo DP=2 run with dynamic sampling, DARTS and the distributed
 optimizer: each rank's RNG, data cursor, DARTS statistics and optimizer shard come back, so the
 rows equal the straight run's and the final weights are bit-identical. The `gpu` test does the
-same on one CUDA device in bf16 (the distributed optimizer on torch's fused Adam).
+same on one CUDA device in bf16.
 """
 
 from __future__ import annotations

@@ -78,7 +78,6 @@ def main() -> None:
     ap.add_argument("--no-keep-graphs", action="store_true")
     args = ap.parse_args()
     from megatron_rl import train
-    from megatron_rl.metrics import read_metrics
 
     out = tempfile.mkdtemp()
     if args.peer:
@@ -98,12 +97,14 @@ def main() -> None:
         result = train.run(cfg)
     except BaseException as e:  # the steps that finished are still figures: print them, re-raise
         result = {"failed": f"{type(e).__name__}: {str(e)[:300]}"}
-        _print(name, tag, out, result, read_metrics)
+        _print(name, tag, out, result)
         raise
-    _print(name, tag, out, result, read_metrics)
+    _print(name, tag, out, result)
 
 
-def _print(name: str, tag: dict, out: str, result: dict, read_metrics) -> None:
+def _print(name: str, tag: dict, out: str, result: dict) -> None:
+    from megatron_rl.metrics import read_metrics
+
     rows = [r for r in read_metrics(out) if "reward/mean" in r]
     for row in rows:
         print(json.dumps({"bench": name, **tag, "step": row["step"],
