@@ -49,6 +49,10 @@ SCHEDULE = ("optimizer.lr", "optimizer.min_lr", "optimizer.lr_warmup_steps",
             "trainer.mini_batches_per_step", "trainer.epochs_per_step")
 """Allowed changes to these make the LR / weight-decay schedule follow the new config."""
 
+MODEL_PARALLEL = ("parallel.tensor_model_parallel_size", "parallel.pipeline_model_parallel_size",
+                  "parallel.expert_model_parallel_size", "parallel.context_parallel_size")
+"""Fields that reshard the model: the distributed optimizer's checkpoint cannot follow them."""
+
 DP_FIELD = "parallel.data_parallel_size"
 """Not a config field: the name `trainer.resume_allow_changes` uses for another DP size."""
 
@@ -149,6 +153,16 @@ def _decide(cfg, world: dict) -> RunPlan:
             f"config field `trainer.resume`: resuming `{ckpt}` with a config that changes the "
             f"trajectory: {'; '.join(refused)}. Name the fields in trainer.resume_allow_changes "
             f"to apply them anyway, or {ways}")
+    resharded = [c for c in allowed if _is(c.split(":")[0], MODEL_PARALLEL)]
+    saved_opt = extra.get("config", {}).get("optimizer", {})
+    if resharded and (saved_opt.get("use_distributed_optimizer")
+                      or current["optimizer"]["use_distributed_optimizer"]):
+        raise ValueError(
+            f"config field `optimizer.use_distributed_optimizer`: resuming `{ckpt}` at another "
+            f"model-parallel size ({'; '.join(resharded)}) is not supported with the distributed "
+            f"optimizer (its checkpoint layout reshards across data-parallel sizes only); "
+            f"resume at the checkpoint's TP / PP / EP / CP sizes, or run both with "
+            f"optimizer.use_distributed_optimizer=false")
     for line in allowed:
         warnings.warn(f"resume from `{ckpt}` with a changed config field (allowed by "
                       f"trainer.resume_allow_changes): {line}", stacklevel=3)

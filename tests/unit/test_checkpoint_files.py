@@ -127,3 +127,23 @@ def test_total_steps_changes_the_trajectory_under_a_decaying_schedule():
     now = dataclasses.asdict(_cfg("x", "optimizer.lr_decay_style=cosine", "trainer.total_steps=7"))
     refused, _ = classify(config_diffs(saved, now), now, [])
     assert refused == ["trainer.total_steps: 100 -> 7"]
+
+
+def test_distributed_optimizer_refuses_a_model_parallel_reshard(tmp_path):
+    """dp_reshardable optimizer checkpoints follow DP changes only: a resume at another TP size
+    with the distributed optimizer is refused up front, naming the field (megatron-core would
+    otherwise fail deep in the bucket load); without it the allowed reshard goes ahead."""
+    out = str(tmp_path / "run")
+    dist_opt = "optimizer.use_distributed_optimizer=true"
+    _fake_ckpt(out, 2, cfg=_cfg(out, dist_opt, "parallel.tensor_model_parallel_size=2"))
+    allow = "trainer.resume_allow_changes=[parallel.tensor_model_parallel_size]"
+    with pytest.raises(ValueError, match=r"optimizer\.use_distributed_optimizer.*"
+                                         r"tensor_model_parallel_size: 2 -> 1"):
+        _decide(_cfg(out, dist_opt, allow), {"dp": 1})
+    both = "trainer.resume_allow_changes=[parallel.tensor_model_parallel_size," \
+           "optimizer.use_distributed_optimizer]"
+    with pytest.raises(ValueError, match=r"not supported with the distributed optimizer"):
+        _decide(_cfg(out, both), {"dp": 1})  # the checkpoint's optimizer was distributed
+    out2 = str(tmp_path / "run2")
+    ckpt = _fake_ckpt(out2, 2, cfg=_cfg(out2, "parallel.tensor_model_parallel_size=2"))
+    assert _decide(_cfg(out2, allow), {"dp": 1}).checkpoint == ckpt
