@@ -106,7 +106,13 @@ def main() -> None:
                     help="rollout.darts.stream_chunk of the streaming arm (0: B*n/4)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--arms", default="grpo_s0,grpo_s1,darts_nostream_s0,darts_s0")
+    ap.add_argument("--stack-dump-s", type=float, default=0,
+                    help="print every thread's stack to stderr every this many seconds (0: off)")
     args = ap.parse_args()
+    if args.stack_dump_s > 0:
+        import faulthandler
+
+        faulthandler.dump_traceback_later(args.stack_dump_s, repeat=True)
     if args.device == "cpu":
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the loop picks CUDA when it sees one
     from megatron_rl import sft, train

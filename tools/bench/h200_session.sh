@@ -38,11 +38,17 @@ for stage in "$@"; do
            --experts grouped --experts sequential --steps 4 --warmup 2 ;;
     moe2) run "$stage" python3 tools/bench/actor.py --shape 30b-a3b-cut --num-layers 2 --backend auto \
            --recompute none --experts grouped --experts sequential --steps 4 --warmup 2 ;;
+    layouts) run "$stage" python3 tools/bench/actor_layouts.py ;;
+    layouts_uniform) run "$stage" python3 tools/bench/actor_layouts.py --uniform ;;
     actor) run "$stage" python3 tools/bench/actor.py --shape 1.7b --backend auto --recompute none ;;
     trl) run "$stage" python3 tools/bench/trl_grpo_peer.py --steps 7 ;;
-    darts) run "$stage" python3 tools/bench/darts.py --out /tmp/darts ;;
+    darts) run "$stage" python3 tools/bench/darts.py --out /tmp/darts --stack-dump-s 120 ;;
+    darts_short) run "$stage" python3 tools/bench/darts.py --out /tmp/darts --stack-dump-s 60 \
+           --sft-steps 60 --steps 4 --arms grpo_s0,darts_s0 ;;
     weight_sync) run "$stage" python3 tools/bench/weight_sync.py ;;
     dllm_rl) run "$stage" python3 tools/bench/dllm_rl.py --device cuda ;;
+    gpu_resume) run "$stage" python3 -m pytest -m gpu tests/e2e/test_kill_resume.py -q -ra -p no:cacheprovider ;;
+    gpu_attn) run "$stage" python3 -m pytest -m gpu tests/unit/test_models_attention.py -q -ra -p no:cacheprovider ;;
     gpu_tests) run "$stage" python3 -m pytest -m gpu tests -q -ra -p no:cacheprovider ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac

@@ -1,0 +1,137 @@
+"""Old log-probs + one train step of the actor on the same batch: packed (THD) vs padded
+micro-batches.
+
+    python tools/bench/actor_layouts.py                       # H200: Qwen3-0.6B shape, bf16
+    python tools/bench/actor_layouts.py --device cpu --tiny   # smoke
+
+The batch is an RL step's: 64 sequences of a 96-token prompt and a response whose length is
+drawn from a log-normal (median --median tokens, sigma --sigma, capped at --max-new), or
+`--uniform`: every response --max-new tokens (the peer configuration, where padding costs
+nothing). Both layouts go through the library's Policy (actor/policy.py) with the same
+micro-batch token budget: `logprobs` (forward only) then `train_mini_batch` (forward + backward
++ Adam). Prints one JSON line per layout -- real tokens/s of the two passes together, seconds of
+each, padded tokens as a fraction of real ones -- then a comparison line (packed over padded).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+QWEN3_06B = {
+    "architectures": ["Qwen3ForCausalLM"], "hidden_size": 1024, "intermediate_size": 3072,
+    "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
+    "max_position_embeddings": 2048, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": True, "vocab_size": 151936,
+}
+TINY = {"architectures": ["Qwen3ForCausalLM"], "hidden_size": 64, "intermediate_size": 192,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 16, "max_position_embeddings": 1024, "rope_theta": 10000.0,
+        "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "vocab_size": 512}
+
+
+def batch(n: int, prompt: int, args, vocab: int, seed: int = 0):
+    import torch
+
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    seqs, starts = [], []
+    for _ in range(n):
+        if args.uniform:
+            r = args.max_new
+        else:
+            r = min(args.max_new, max(1, int(math.exp(rng.gauss(math.log(args.median), args.sigma)))))
+        seqs.append(torch.randint(1, vocab, (prompt + r,), generator=g))
+        starts.append(prompt)
+    return seqs, starts
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--num-seqs", type=int, default=64)
+    ap.add_argument("--prompt", type=int, default=96)
+    ap.add_argument("--max-new", type=int, default=512)
+    ap.add_argument("--median", type=float, default=128)
+    ap.add_argument("--sigma", type=float, default=1.0)
+    ap.add_argument("--uniform", action="store_true")
+    ap.add_argument("--micro-batch-tokens", type=int, default=16384)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--warmup", type=int, default=2)
+    args = ap.parse_args()
+    if args.device == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    import torch
+
+    from megatron_rl.actor.loading import build_module, resolve_model
+    from megatron_rl.actor.policy import build_policy
+    from megatron_rl.config import ModelConfig, OptimizerConfig, ParallelConfig
+    from megatron_rl.parallel import destroy_parallel, init_parallel
+
+    shape = TINY if args.tiny else QWEN3_06B
+    mcfg = ModelConfig(tiny=shape, dtype="fp32" if args.device == "cpu" else "bf16")
+    ps = init_parallel(ParallelConfig())
+    src = resolve_model(mcfg, None)
+    seqs, starts = batch(args.num_seqs, args.prompt, args, shape["vocab_size"])
+    real = sum(int(s.numel()) for s in seqs)
+
+    def loss_fn(indices, lps, ents):
+        tokens = sum(int(x.numel()) for x in lps)
+        loss = sum(x.sum() for x in lps) / -max(tokens, 1)
+        return loss, {"loss": loss.detach()}
+
+    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
+    results = {}
+    for layout in ("padded", "packed"):
+        torch.manual_seed(0)
+        module, tcfg = build_module(src, ps, mcfg, packed=layout == "packed")
+        policy = build_policy(module, tcfg, ps, OptimizerConfig(lr=1e-7), 100,
+                              micro_batch_tokens=args.micro_batch_tokens, pad_id=0,
+                              packed=layout == "packed")
+        mbs = policy._micro_batches(seqs, starts)
+        slots = sum(int(mb.tokens.numel()) for mb in mbs)
+        times_lp, times_tr = [], []
+        for i in range(args.warmup + args.steps):
+            sync()
+            t0 = time.perf_counter()
+            policy.logprobs(seqs, starts)
+            sync()
+            t1 = time.perf_counter()
+            policy.train_mini_batch(seqs, starts, loss_fn)
+            sync()
+            t2 = time.perf_counter()
+            if i >= args.warmup:
+                times_lp.append(t1 - t0)
+                times_tr.append(t2 - t1)
+        lp, tr = statistics.median(times_lp), statistics.median(times_tr)
+        results[layout] = {"bench": "actor_layouts", "layout": layout, "shape": "tiny" if args.tiny
+                           else "0.6b", "lengths": "uniform" if args.uniform else
+                           f"lognormal(median {args.median:g}, sigma {args.sigma:g})",
+                           "num_seqs": len(seqs), "real_tokens": real, "micro_batches": len(mbs),
+                           "padding_frac": round(slots / real - 1, 4),
+                           "logprobs_s": round(lp, 4), "train_s": round(tr, 4),
+                           "tokens_per_s": round(2 * real / (lp + tr), 1),
+                           "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)
+                           if args.device == "cuda" else None}
+        print(json.dumps(results[layout]), flush=True)
+        del policy, module
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+    print(json.dumps({"bench": "actor_layouts", "compare": "packed / padded",
+                      "speedup": round(results["packed"]["tokens_per_s"]
+                                       / results["padded"]["tokens_per_s"], 3)}), flush=True)
+    destroy_parallel()
+
+
+if __name__ == "__main__":
+    main()
