@@ -203,10 +203,10 @@ def _varlen_ok(query: torch.Tensor, p) -> bool:
     if p.cu_seqlens_q is not p.cu_seqlens_kv or not p.max_seqlen_q:
         return False
     try:
-        from torch.nn.attention.varlen import varlen_attn  # noqa: F401  (torch >= 2.9)
+        params = _varlen_params()  # torch >= 2.9
     except ImportError:
         return False
-    return True
+    return bool({"window_size", "is_causal"} & params)
 
 
 def _varlen(query, key, value, p, causal: bool, scale: float) -> torch.Tensor:
@@ -218,10 +218,37 @@ def _varlen(query, key, value, p, causal: bool, scale: float) -> torch.Tensor:
 
     cu = p.cu_seqlens_q.to(device=query.device, dtype=torch.int32)
     n = int(p.max_seqlen_q)
-    out = varlen_attn(query, key, value, cu, cu, n, n, scale=scale,
-                      window_size=(-1, 0) if causal else (-1, -1),
-                      enable_gqa=query.shape[1] != key.shape[1])
+    kwargs = {}
+    if query.shape[1] != key.shape[1]:
+        if _varlen_takes_gqa():
+            kwargs["enable_gqa"] = True
+        else:  # torch before 2.11: the KV heads repeated for their query heads
+            g = query.shape[1] // key.shape[1]
+            key, value = key.repeat_interleave(g, dim=1), value.repeat_interleave(g, dim=1)
+    if causal:
+        if _varlen_takes_window():
+            kwargs["window_size"] = (-1, 0)
+        else:
+            kwargs["is_causal"] = True
+    out = varlen_attn(query, key, value, cu, cu, n, n, scale=scale, **kwargs)
     return out.reshape(query.shape[0], -1)
+
+
+@functools.cache
+def _varlen_params() -> frozenset:
+    import inspect
+
+    from torch.nn.attention.varlen import varlen_attn
+
+    return frozenset(inspect.signature(varlen_attn).parameters)
+
+
+def _varlen_takes_gqa() -> bool:
+    return "enable_gqa" in _varlen_params()
+
+
+def _varlen_takes_window() -> bool:
+    return "window_size" in _varlen_params()
 
 
 class FlexAttention(_CoreAttentionBase):

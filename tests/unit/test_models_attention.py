@@ -162,6 +162,7 @@ def test_varlen_fast_path_matches_flex_on_cuda(mask_type):
     from megatron_rl.models import attention
 
     assert attention._varlen_ok(q, params)  # the fast path really ran for `fast`
+    print("varlen_attn parameters:", sorted(attention._varlen_params()))
     for got, want in zip(*results):
         torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
 
