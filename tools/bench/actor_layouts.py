@@ -54,6 +54,24 @@ def batch(n: int, prompt: int, args, vocab: int, seed: int = 0):
     return seqs, starts
 
 
+def profile(policy, seqs, starts, loss_fn, args) -> list:
+    """The ops with the most self time over one logprobs + train pass: [name, ms, calls]."""
+    import torch
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    cuda = args.device == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with torch_profile(activities=acts) as prof:
+        policy.logprobs(seqs, starts)
+        policy.train_mini_batch(seqs, starts, loss_fn)
+        if cuda:
+            torch.cuda.synchronize()
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    events = sorted(prof.key_averages(), key=lambda e: getattr(e, key, 0.0), reverse=True)
+    return [[e.key[:80], round(getattr(e, key) / 1e3, 2), e.count] for e in events[: args.profile]]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
@@ -67,6 +85,9 @@ def main() -> None:
     ap.add_argument("--micro-batch-tokens", type=int, default=16384)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="after timing, profile one logprobs + train pass and print the N ops "
+                         "with the most device (CUDA) or CPU self time (`profile_top`)")
     args = ap.parse_args()
     if args.device == "cpu":
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
@@ -122,6 +143,8 @@ def main() -> None:
                            "tokens_per_s": round(2 * real / (lp + tr), 1),
                            "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)
                            if args.device == "cuda" else None}
+        if args.profile:
+            results[layout]["profile_top"] = profile(policy, seqs, starts, loss_fn, args)
         print(json.dumps(results[layout]), flush=True)
         del policy, module
         if args.device == "cuda":

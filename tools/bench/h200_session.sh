@@ -39,6 +39,7 @@ for stage in "$@"; do
     moe2) run "$stage" python3 tools/bench/actor.py --shape 30b-a3b-cut --num-layers 2 --backend auto \
            --recompute none --experts grouped --experts sequential --steps 4 --warmup 2 ;;
     layouts) run "$stage" python3 tools/bench/actor_layouts.py ;;
+    layouts_profile) run "$stage" python3 tools/bench/actor_layouts.py --steps 2 --warmup 2 --profile 30 ;;
     layouts_uniform) run "$stage" python3 tools/bench/actor_layouts.py --uniform ;;
     actor) run "$stage" python3 tools/bench/actor.py --shape 1.7b --backend auto --recompute none ;;
     trl) run "$stage" python3 tools/bench/trl_grpo_peer.py --steps 7 ;;
