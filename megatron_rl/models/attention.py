@@ -33,6 +33,8 @@ import torch.nn.functional as F
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
+from megatron_rl.models.varlen import varlen_applies, varlen_attention
+
 _CAUSAL_TYPES = (AttnMaskType.causal, AttnMaskType.padding_causal, AttnMaskType.causal_bottom_right)
 
 
@@ -191,66 +193,6 @@ def _document_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
     return torch.where(pos < cu_seqlens[-1], doc, torch.full_like(doc, -1))
 
 
-def _varlen_ok(query: torch.Tensor, p) -> bool:
-    """The varlen flash kernel applies: CUDA, half precision, a head size flash takes, and one
-    set of document boundaries for queries and keys (self-attention, no `_padded` variants)."""
-    if query.device.type != "cuda" or query.dtype not in (torch.bfloat16, torch.float16):
-        return False
-    if query.shape[-1] > 256 or query.shape[-1] % 8:
-        return False
-    if p.cu_seqlens_q_padded is not None or p.cu_seqlens_kv_padded is not None:
-        return False
-    if p.cu_seqlens_q is not p.cu_seqlens_kv or not p.max_seqlen_q:
-        return False
-    try:
-        params = _varlen_params()  # torch >= 2.9
-    except ImportError:
-        return False
-    return bool({"window_size", "is_causal"} & params)
-
-
-def _varlen(query, key, value, p, causal: bool, scale: float) -> torch.Tensor:
-    """Packed documents through torch's varlen flash attention: [t, h, d] in, [t, hq * d] out.
-    No mask is built and nothing is compiled, so a new packed length costs nothing (the flex
-    path, its reference, compiles per length). Every token must belong to a document
-    (cu_seqlens[-1] == t: the actor packs its TP padding as one more document)."""
-    from torch.nn.attention.varlen import varlen_attn
-
-    cu = p.cu_seqlens_q.to(device=query.device, dtype=torch.int32)
-    n = int(p.max_seqlen_q)
-    kwargs = {}
-    if query.shape[1] != key.shape[1]:
-        if _varlen_takes_gqa():
-            kwargs["enable_gqa"] = True
-        else:  # torch before 2.11: the KV heads repeated for their query heads
-            g = query.shape[1] // key.shape[1]
-            key, value = key.repeat_interleave(g, dim=1), value.repeat_interleave(g, dim=1)
-    if causal:
-        if _varlen_takes_window():
-            kwargs["window_size"] = (-1, 0)
-        else:
-            kwargs["is_causal"] = True
-    out = varlen_attn(query, key, value, cu, cu, n, n, scale=scale, **kwargs)
-    return out.reshape(query.shape[0], -1)
-
-
-@functools.cache
-def _varlen_params() -> frozenset:
-    import inspect
-
-    from torch.nn.attention.varlen import varlen_attn
-
-    return frozenset(inspect.signature(varlen_attn).parameters)
-
-
-def _varlen_takes_gqa() -> bool:
-    return "enable_gqa" in _varlen_params()
-
-
-def _varlen_takes_window() -> bool:
-    return "window_size" in _varlen_params()
-
-
 class FlexAttention(_CoreAttentionBase):
     """Core attention through flex_attention: packed documents (THD) and arbitrary block masks.
 
@@ -263,7 +205,7 @@ class FlexAttention(_CoreAttentionBase):
     mask_mod is materialized as a dense [b, h|1, sq, sk] mask and run through SDPA (the CPU
     path is the reference, GPU runs the compiled flex kernel).
     On CUDA in bf16 / fp16, packed batches without a BlockMask go through torch's varlen flash
-    kernel instead (`_varlen`); `varlen = False` on an instance keeps the flex path (the
+    kernel instead (models/varlen.py); `varlen = False` on an instance keeps the flex path (the
     reference the GPU test compares against).
     """
 
@@ -327,8 +269,9 @@ class FlexAttention(_CoreAttentionBase):
                 )
             if query.dim() == 4:  # [t, 1, h, d] if the caller did not squeeze
                 query, key, value = query.squeeze(1), key.squeeze(1), value.squeeze(1)
-            if attention_mask is None and self.varlen and _varlen_ok(query, packed_seq_params):
-                return _varlen(query, key, value, packed_seq_params, causal, self.softmax_scale)
+            if attention_mask is None and self.varlen and varlen_applies(query, packed_seq_params):
+                return varlen_attention(query, key, value, packed_seq_params, causal,
+                                        self.softmax_scale)
             query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
         sq, b, hq, d = query.shape
         sk = key.shape[0]

@@ -220,7 +220,10 @@ class VLLMEngine:
                 prompt, sid = requests[i]
                 body = {"n": 1, "temperature": sampling.temperature, "top_p": 1.0, "top_k": -1,
                         "max_tokens": sampling.max_new_tokens,
-                        "stop_token_ids": list(sampling.stop_token_ids), "seed": seeds[i]}
+                        "stop_token_ids": list(sampling.stop_token_ids), "seed": seeds[i],
+                        # stop_token_ids is the whole stop list, as in the built-in engine (the
+                        # loop lists EOS there): the server must not add the model's own EOS
+                        "ignore_eos": True}
                 if sampling.logprobs:
                     body["logprobs"] = 0
                 self.in_flight.add(sid)

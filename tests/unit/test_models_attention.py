@@ -159,10 +159,10 @@ def test_varlen_fast_path_matches_flex_on_cuda(mask_type):
         out = attn(q, k, v, None, packed_seq_params=params)
         out.float().square().sum().backward()
         results.append([out.detach().float(), *(x.grad.float() for x in (q, k, v))])
-    from megatron_rl.models import attention
+    from megatron_rl.models import varlen
 
-    assert attention._varlen_ok(q, params)  # the fast path really ran for `fast`
-    print("varlen_attn parameters:", sorted(attention._varlen_params()))
+    assert varlen.varlen_applies(q, params)  # the fast path really ran for `fast`
+    print("varlen_attn parameters:", sorted(varlen._varlen_params()))
     for got, want in zip(*results):
         torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
 
