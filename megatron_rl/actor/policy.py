@@ -168,18 +168,22 @@ class Policy:
 
     def _response_logprobs(self, logits, mb: _MicroBatch, temperature: float, with_entropy: bool):
         """logits [b, s, V/tp] -> per-sample response log-probs (and entropy)."""
-        rows, targets, spans = [], [], []
+        # One gather of every response position's logits (a slice per sample would cost, in the
+        # backward, a zero-filled [b, s, V] gradient per sample summed into the logits' grad).
+        width = int(logits.shape[1])
+        firsts, spans = [], []
         for r, (n, p) in enumerate(zip(mb.lengths, mb.starts)):
-            if mb.offsets is not None:  # packed: sample r occupies row 0 from offsets[r]
-                o = mb.offsets[r]
-                rows.append(logits[0, o + p - 1 : o + n - 1])
-                targets.append(mb.tokens[0, o + p : o + n])
-            else:
-                rows.append(logits[r, p - 1 : n - 1])
-                targets.append(mb.tokens[r, p:n])
+            # packed: sample r occupies row 0 from offsets[r]; padded: row r
+            firsts.append(mb.offsets[r] + p - 1 if mb.offsets is not None else r * width + p - 1)
             spans.append(n - p)
+        first = torch.tensor(firsts, dtype=torch.long)
+        span = torch.tensor(spans, dtype=torch.long)
+        pos = (torch.repeat_interleave(first - torch.cumsum(span, 0) + span, span)
+               + torch.arange(int(span.sum()))).to(logits.device, non_blocking=True)
+        rows = logits.flatten(0, 1).index_select(0, pos)
+        targets = mb.tokens.flatten().index_select(0, pos + 1)
         lp, ent = vocab_parallel_logprobs(
-            torch.cat(rows), torch.cat(targets), temperature=temperature,
+            rows, targets, temperature=temperature,
             tp_group=self.ps.pgs.tp if self.ps.tp_size > 1 else None, with_entropy=with_entropy,
         )
         lps = list(lp.split(spans))
