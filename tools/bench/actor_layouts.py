@@ -26,12 +26,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-QWEN3_06B = {
-    "architectures": ["Qwen3ForCausalLM"], "hidden_size": 1024, "intermediate_size": 3072,
-    "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
-    "max_position_embeddings": 2048, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
-    "tie_word_embeddings": True, "vocab_size": 151936,
-}
+from rl_step import QWEN3_06B  # noqa: E402  (the peer configuration's shape; this folder is on the path)
+
 TINY = {"architectures": ["Qwen3ForCausalLM"], "hidden_size": 64, "intermediate_size": 192,
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
         "head_dim": 16, "max_position_embeddings": 1024, "rope_theta": 10000.0,
