@@ -2,15 +2,16 @@
 
     python examples/darling/run.py [--out runs/darling] [--steps 120] [--eval-every 20]
 
-1. writes the digit-sum task (task.py): "two-digit number whose digits sum to S", S = 5..13;
-2. SFT (sft.yaml) from a biased teacher (mostly the smallest valid number; for S = 12, 13
-   mostly a near miss);
+1. writes the digit-sum task (task.py): "two-digit number whose digits sum to S", S = 5..13,
+   where the verifier also rejects two of the valid answers per prompt, chosen by a hash the
+   prompt does not reveal (--hidden-rejects; 0 turns that off);
+2. SFT (sft.yaml) from a biased teacher (mostly the smallest valid number);
 3. two RL runs (rl.yaml) from that checkpoint, same seed, steps and algorithm; the only
    difference is the reward: correctness (GRPO) vs correctness x Div' (DARLING,
    reward.diversity.mode=multiplicative);
 4. every --eval-every steps (each run is trained in segments, resuming its own checkpoint), the
    held-out pass@1, pass@8, distinct@8 and utility@8 from 8 samples per prompt at the rollout
-   temperature (1.0) on --eval-prompts held-out prompts (megatron_rl.eval.diversity).
+   temperature (1.0) on --eval-prompts held-out prompts (0: all of them; megatron_rl.eval.diversity).
 
 Prints one JSON line {"grpo": {...}, "darling": {...}, "sft": {...}, "seconds": ...} with the
 final figures, and writes <out>/curves.json and <out>/curves.png (pass@1, pass@8, distinct@8
@@ -74,13 +75,17 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="runs/darling")
     p.add_argument("--steps", type=int, default=120)
     p.add_argument("--eval-every", type=int, default=20)
-    p.add_argument("--eval-prompts", type=int, default=400)
+    p.add_argument("--eval-prompts", type=int, default=0)
+    p.add_argument("--hidden-rejects", type=int, default=task.HIDDEN_REJECTS)
     p.add_argument("--seed", type=int, default=1)
     args = p.parse_args(argv)
     if args.steps % args.eval_every:
         raise ValueError("--steps must be a multiple of --eval-every")
     t0 = time.perf_counter()
-    data = task.write(os.path.join(args.out, "data"), seed=0)
+    data = task.write(os.path.join(args.out, "data"), seed=0, hidden_rejects=args.hidden_rejects)
+    if args.eval_prompts <= 0:  # every held-out prompt: each answer is then rejected equally often
+        with open(data["val"]) as f:
+            args.eval_prompts = sum(1 for _ in f)
     sft_dir = os.path.join(args.out, "sft")
     files = [f"data.val_files=[{data['val']}]", "trainer.overwrite=true"]
     megatron_rl("sft", "--config", os.path.join(HERE, "sft.yaml"), f"data.train_files=[{data['sft']}]",
@@ -112,6 +117,7 @@ def main(argv=None) -> int:
     result = {arm: {k: round(curves[arm][-1][k], 4) for k in keys} for arm in ARMS}
     result["sft"] = {k: round(start[k], 4) for k in keys}
     result["steps"], result["eval_prompts"] = args.steps, args.eval_prompts
+    result["hidden_rejects"], result["seed"] = args.hidden_rejects, args.seed
     result["seconds"] = round(time.perf_counter() - t0, 1)
     print(json.dumps(result))
     return 0

@@ -33,6 +33,8 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from collections.abc import Iterable
 
 import torch
@@ -194,6 +196,9 @@ class VLLMEngine:
         self._ids = itertools.count()
         self._prefix = f"vllm-r{ps.rank}-{os.urandom(4).hex()}"
         self.in_flight: set[str] = set()
+        self._aborted: set[str] = set()
+        """Sample ids aborted by `abort` (a request not yet sent is then never sent)."""
+        self._lock = threading.Lock()
         self.verify_sync_tol = verify_sync_tol
         self.last_sync_error: float | None = None
         """Max |engine - actor| log-prob on `sync_check_ids` after the last push (verify on)."""
@@ -226,17 +231,28 @@ class VLLMEngine:
                         "ignore_eos": True}
                 if sampling.logprobs:
                     body["logprobs"] = 0
-                self.in_flight.add(sid)
-                try:
-                    choice = self.client.generate(sid, list(prompt), body)
-                finally:
-                    self.in_flight.discard(sid)
+                with self._lock:
+                    aborted = sid in self._aborted
+                    if not aborted:
+                        self.in_flight.add(sid)
+                if aborted:  # aborted before it was sent: nothing generated
+                    choice = {"finish_reason": "abort", "token_ids": []}
+                else:
+                    try:
+                        choice = self.client.generate(sid, list(prompt), body)
+                    finally:
+                        with self._lock:
+                            self.in_flight.discard(sid)
                 s = _to_sample(prompt, choice, sid, self.policy_version)
                 if not sampling.logprobs:
                     s.response_logprobs = None
                 return s
 
-            samples = external.fan_out(one, range(len(requests)), self.max_concurrency)
+            try:
+                samples = external.fan_out(one, range(len(requests)), self.max_concurrency)
+            finally:
+                with self._lock:
+                    self._aborted -= {sid for _, sid in requests}
         return external.share_in_model_parallel_group(samples, self.ps)
 
     def score(self, token_ids: list[int]) -> torch.Tensor:
@@ -247,10 +263,28 @@ class VLLMEngine:
             self.wake()
         return torch.tensor(self.client.prompt_logprobs(list(token_ids)), dtype=torch.float32)
 
-    def abort(self, sample_ids) -> None:
-        ids = list(sample_ids)
-        if ids and self.client is not None:
-            self.client.abort(ids)
+    def abort(self, sample_ids, *, timeout_s: float = 30.0) -> None:
+        """Stop the given samples and return once none of them is on the server. A request
+        whose HTTP call is under way but that the server has not admitted yet ignores an abort
+        (vLLM drops unknown ids), so the abort is re-sent every 50 ms while any of them is
+        still in flight; one not yet sent is never sent."""
+        ids = set(sample_ids)
+        with self._lock:
+            self._aborted |= ids
+        if not ids or self.client is None:
+            return
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._lock:
+                left = sorted(ids & self.in_flight)
+            if not left:
+                return
+            if time.monotonic() > deadline:
+                raise EngineServerError(
+                    f"vllm engine: {len(left)} aborted request(s) still running on "
+                    f"{self.client.url} after {timeout_s:.0f} s (first: {left[0]})")
+            self.client.abort(left)
+            time.sleep(0.05)
 
     # -- memory and weights ------------------------------------------------------------------
     def sleep(self) -> None:
