@@ -18,8 +18,9 @@ Files it writes (verl layout, jsonl):
 
 Prompts are "<two letters> s<S>=" (the letters make prompts distinct; train and val use
 disjoint letter pairs); S runs over SUMS. The rejected answers rotate over a hash-ordered list
-of each sum's prompts, so every valid answer is rejected for the same share of prompts: no
-single answer is a better guess than another. The SFT teacher is biased: with probability
+of each sum's prompts, so every valid answer is rejected for exactly the same share of prompts:
+no single answer is a better guess than another, and a policy that only answers valid digit
+sums has held-out pass@1 = mean over S of 1 - HIDDEN_REJECTS / |answers(S)| = 0.693. The SFT teacher is biased: with probability
 `TEACHER_MODE_RATE` it answers the smallest valid number, otherwise a uniform valid one, so the
 SFT policy starts peaked but with several answers in its support (it ignores the rejects: it
 only knows the digit-sum rule).
@@ -70,19 +71,25 @@ def _split(letters: str) -> str:
     return "val" if zlib.crc32(letters.encode()) % 5 == 0 else "train"
 
 
-def _rejects(rows: list[dict], hidden_rejects: int) -> None:
-    """Fill each row's ground truth "S|rejected": per sum, the prompts in hash order take
-    `hidden_rejects` consecutive valid answers each, rotating, so every answer is rejected for
-    the same share of that sum's prompts."""
+def _with_rejects(rows: list[dict], hidden_rejects: int) -> list[dict]:
+    """The rows with their ground truth "S|rejected": per sum, the prompts in hash order take
+    `hidden_rejects` consecutive valid answers each, rotating. Each sum keeps a multiple of its
+    answer count of prompts (the last few in hash order are dropped), so every valid answer is
+    rejected for exactly the same share of that sum's prompts and no answer is a better guess."""
     by_sum: dict[int, list[dict]] = {}
     for r in rows:
         by_sum.setdefault(int(r["reward_model"]["ground_truth"]), []).append(r)
-    for s, group in by_sum.items():
+    kept = []
+    for s, group in sorted(by_sum.items()):
         answers = valid_answers(s)
         group.sort(key=lambda r: zlib.crc32(("rej:" + r["prompt"]).encode()))
+        if hidden_rejects:
+            group = group[: len(group) - len(group) % len(answers)]
         for i, r in enumerate(group):
             rej = [answers[(i + j) % len(answers)] for j in range(hidden_rejects)]
             r["reward_model"]["ground_truth"] = f"{s}|{','.join(map(str, sorted(rej)))}"
+        kept += group
+    return kept
 
 
 def write(out_dir: str, seed: int = 0, num_sft: int = 20000,
@@ -100,8 +107,7 @@ def write(out_dir: str, seed: int = 0, num_sft: int = 20000,
                     "data_source": "digit_sum",
                 }
             )
-    for split_rows in rows.values():
-        _rejects(split_rows, hidden_rejects)
+    rows = {name: _with_rejects(split_rows, hidden_rejects) for name, split_rows in rows.items()}
     rng.shuffle(rows["train"])
     rng.shuffle(rows["val"])
     sft = []
