@@ -6,7 +6,7 @@ diffusion forward instead: one packed THD row per micro-batch (`algo.dllm.sft_lo
 attention with the bidirectional document mask (masked diffusion) or the C.2 BlockMask (block
 diffusion), and the weighted cross entropy at the scored positions only (C.7).
 
-Memory: the model is run up to its final norm (`_hidden_states_only`) and the output layer is
+Memory: the model is run up to its final norm (`hidden_states_only`) and the output layer is
 applied to the K scored rows alone (block diffusion: the masked response tokens of the noisy
 half, no logits for the clean half or the prompt), in chunks of `chunk_tokens` rows that are
 recomputed in the backward, so at most one chunk of [chunk, V/tp] logits is alive at a time
@@ -27,12 +27,9 @@ by (micro-batches x DP size) to undo Megatron's averaging.
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
-
 import torch
-from torch.utils.checkpoint import checkpoint
 
-from megatron_rl.actor.logprobs import vocab_parallel_logprobs
+from megatron_rl.actor.output_logprobs import gather_sequence, hidden_states_only, rows_logprobs
 from megatron_rl.actor.policy import Policy
 from megatron_rl.algo.dllm.elbo import Corruption
 from megatron_rl.algo.dllm.sft_loss import (
@@ -44,68 +41,25 @@ from megatron_rl.algo.dllm.sft_loss import (
 )
 
 
-@contextmanager
-def _hidden_states_only(gpt):
-    """Inside, `gpt(...)` returns the decoder's output after the final norm, [s(/tp with
-    sequence parallelism), b, h], instead of logits: megatron-core 0.16.1's
-    `GPTModel._postprocess` returns early when `post_process` is False (the final norm belongs
-    to the decoder, built at init, so it still runs)."""
-    if not gpt.post_process:
-        raise ValueError("the diffusion forward needs the last pipeline stage")
-    gpt.post_process = False
-    try:
-        yield
-    finally:
-        gpt.post_process = True
-
-
-def _rows_logprobs(gpt, rows: torch.Tensor, targets: torch.Tensor, tp_group) -> torch.Tensor:
-    """[k] log p(targets) of hidden rows [k, 1, h] (replicated over TP) through the output layer
-    (its module forward, so LoRA hooks on it apply). Under sequence parallelism the layer would
-    all-gather its input; the rows are already whole, so it runs with that switched off (as
-    megatron-core does for last-token logits), its input copy then all-reduces the grad."""
-    layer = gpt.output_layer
-    weight = gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights \
-        else None
-    sp = layer.sequence_parallel
-    layer.sequence_parallel = False
-    try:
-        logits, _ = layer(rows, weight=weight, runtime_gather_output=False)  # [k, 1, V/tp]
-    finally:
-        layer.sequence_parallel = sp
-    lp, _ = vocab_parallel_logprobs(logits[:, 0], targets, tp_group=tp_group,
-                                    chunk_tokens=rows.shape[0])
-    return lp
-
-
 def packed_logprobs(gpt, model, b: PackedDiffusionBatch, device, mask_impl: str = "kernel",
                     tp_group=None, chunk_tokens: int = 1024) -> torch.Tensor:
     """[K] log p(target) at the scored positions of one packed batch (differentiable).
 
     `model` is what is called (the DDP wrapper or `gpt` itself), `gpt` the bare GPTModel. Only
     the K rows `b.logit_pos` go through the output layer, `chunk_tokens` at a time, each chunk
-    recomputed in the backward (activation checkpoint): equal to `sft_loss.scored_logprobs` on
+    recomputed in the backward (actor/output_logprobs.py): equal to `sft_loss.scored_logprobs` on
     the full [T, V/tp] logits, without them.
     """
-    from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
-
     tokens = b.tokens.to(device).unsqueeze(0)
     pos = torch.arange(tokens.shape[1], device=device).unsqueeze(0)
     mask, psp = attention_inputs(b, device, mask_impl)
-    with _hidden_states_only(gpt):
+    with hidden_states_only(gpt):
         hidden = model(tokens, pos, mask, packed_seq_params=psp)  # [T(/tp), 1, h]
-    if gpt.output_layer.sequence_parallel:  # whole sequence; the backward keeps this rank's part
-        hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False,
-                                                      group=tp_group)
-    rows = hidden.index_select(0, b.logit_pos.to(device))  # [K, 1, h]
-    targets = b.targets.to(device)
-    grad = torch.is_grad_enabled()
-    out = []
-    for s in range(0, rows.shape[0], chunk_tokens):
-        args = (gpt, rows[s : s + chunk_tokens], targets[s : s + chunk_tokens], tp_group)
-        out.append(checkpoint(_rows_logprobs, *args, use_reentrant=False) if grad
-                   else _rows_logprobs(*args))
-    return torch.cat(out) if out else rows.new_zeros(0, dtype=torch.float32)
+    hidden = gather_sequence(gpt, hidden, tp_group)
+    rows = hidden[:, 0].index_select(0, b.logit_pos.to(device))  # [K, h]
+    lp, _ = rows_logprobs(gpt, rows, b.targets.to(device), tp_group=tp_group,
+                          chunk_tokens=chunk_tokens)
+    return lp
 
 
 def _run(policy: Policy, batches: list[PackedDiffusionBatch], forward_only: bool, closure,

@@ -31,13 +31,19 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 
 from megatron_rl.actor.guards import guarded_step
-from megatron_rl.actor.logprobs import vocab_parallel_logprobs
 from megatron_rl.actor.microbatch import plan_micro_batches
+from megatron_rl.actor.output_logprobs import (
+    gather_sequence,
+    hidden_states_only,
+    output_weight,
+    rows_logprobs,
+)
 from megatron_rl.actor.routing_replay import pack_routes, replay
 from megatron_rl.actor.stage_sync import (
     dp_sum_parts,
@@ -83,6 +89,8 @@ class Policy:
         self.micro_batch_tokens = 8192
         self.pad_id = 0
         self.packed = False  # micro-batches as one THD row per micro-batch (trainer.micro_batch_layout)
+        self.logprob_chunk_tokens = 8192  # response rows per output-layer chunk
+        self.fused_logprobs: bool | None = None  # None: fused where the output layer allows
 
     @property
     def module(self):
@@ -166,26 +174,28 @@ class Policy:
             ))
         return out
 
-    def _response_logprobs(self, logits, mb: _MicroBatch, temperature: float, with_entropy: bool):
-        """logits [b, s, V/tp] -> per-sample response log-probs (and entropy)."""
-        # One gather of every response position's logits (a slice per sample would cost, in the
-        # backward, a zero-filled [b, s, V] gradient per sample summed into the logits' grad).
-        width = int(logits.shape[1])
+    def _response_logprobs(self, hidden, mb: _MicroBatch, temperature: float, with_entropy: bool):
+        """Final-norm hidden states [s(/tp), b, h] -> per-sample response log-probs (and
+        entropy). Only the response rows reach the output layer (actor/output_logprobs.py): one
+        gather of every response position, then chunked log-probs without [T, V] logits."""
+        tp_group = self.ps.pgs.tp if self.ps.tp_size > 1 else None
+        hidden = gather_sequence(self.module, hidden, tp_group)
+        b = int(hidden.shape[1])
         firsts, spans = [], []
         for r, (n, p) in enumerate(zip(mb.lengths, mb.starts)):
-            # packed: sample r occupies row 0 from offsets[r]; padded: row r
-            firsts.append(mb.offsets[r] + p - 1 if mb.offsets is not None else r * width + p - 1)
+            # [s, b] layout: token t of sample r is row t * b + r (packed: b = 1, from offsets[r])
+            firsts.append(mb.offsets[r] + p - 1 if mb.offsets is not None else (p - 1) * b + r)
             spans.append(n - p)
         first = torch.tensor(firsts, dtype=torch.long)
         span = torch.tensor(spans, dtype=torch.long)
-        pos = (torch.repeat_interleave(first - torch.cumsum(span, 0) + span, span)
-               + torch.arange(int(span.sum()))).to(logits.device, non_blocking=True)
-        rows = logits.flatten(0, 1).index_select(0, pos)
-        targets = mb.tokens.flatten().index_select(0, pos + 1)
-        lp, ent = vocab_parallel_logprobs(
-            rows, targets, temperature=temperature,
-            tp_group=self.ps.pgs.tp if self.ps.tp_size > 1 else None, with_entropy=with_entropy,
-        )
+        step = torch.arange(int(span.sum())) - torch.repeat_interleave(torch.cumsum(span, 0) - span,
+                                                                       span)
+        pos = (torch.repeat_interleave(first, span) + step * b).to(hidden.device, non_blocking=True)
+        rows = hidden.flatten(0, 1).index_select(0, pos)
+        targets = mb.tokens.t().reshape(-1).index_select(0, pos + b)
+        lp, ent = rows_logprobs(self.module, rows, targets, temperature=temperature,
+                                tp_group=tp_group, with_entropy=with_entropy,
+                                chunk_tokens=self.logprob_chunk_tokens, fused=self.fused_logprobs)
         lps = list(lp.split(spans))
         ents = list(ent.split(spans)) if ent is not None else [None] * len(spans)
         return lps, ents
@@ -197,15 +207,19 @@ class Policy:
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
-            with replay(self.module, mb.routes):  # R3: the engine's experts (None: the router's)
+            # R3: the engine's experts (None: the router's); the last stage stops at the final
+            # norm and the loss closure applies the output layer to the response rows only
+            last = self.module.post_process
+            with replay(self.module, mb.routes), \
+                    (hidden_states_only(self.module) if last else nullcontext()):
                 if mb.packed_seq_params is not None:
                     out = model(mb.tokens, mb.positions, None,
                                 packed_seq_params=mb.packed_seq_params)
-                    return out, lambda logits: loss_closure(mb, logits)
+                    return out, lambda hidden: loss_closure(mb, hidden)
                 b, s = mb.tokens.shape
                 pos = torch.arange(s, device=mb.tokens.device).unsqueeze(0).expand(b, s)
                 out = model(mb.tokens, pos, None)
-            return out, lambda logits: loss_closure(mb, logits)
+            return out, lambda hidden: loss_closure(mb, hidden)
 
         return get_forward_backward_func()(
             forward_step_func=forward_step,
@@ -234,12 +248,12 @@ class Policy:
         lps: list = [None] * len(seqs)
         ents: list = [None] * len(seqs)
 
-        def closure(mb, logits):
-            lp, ent = self._response_logprobs(logits, mb, temperature, with_entropy)
+        def closure(mb, hidden):
+            lp, ent = self._response_logprobs(hidden, mb, temperature, with_entropy)
             for i, a, h in zip(mb.indices, lp, ent):
                 lps[i] = a if non_blocking else a.cpu()
                 ents[i] = None if h is None else h if non_blocking else h.cpu()
-            return logits.new_zeros(()), {}
+            return hidden.new_zeros(()), {}
 
         self._run(mbs, forward_only=True, loss_closure=closure)
         sizes = [int(s.numel()) - p for s, p in zip(seqs, starts)]
@@ -260,10 +274,11 @@ class Policy:
         mbs = self._plan(seqs, starts, routing)
         scale = len(mbs) * self.ps.dp_size  # undo Megatron's 1/num_microbatches and DP average
 
-        def closure(mb, logits):
+        def closure(mb, hidden):
             if not mb.indices:  # an empty micro-batch (expert parallel count padding)
-                return logits.sum() * 0.0, {}
-            lp, ent = self._response_logprobs(logits, mb, temperature, with_entropy)
+                # (the output weight too: every parameter takes part in every backward)
+                return (hidden.sum() + output_weight(self.module).sum()) * 0.0, {}
+            lp, ent = self._response_logprobs(hidden, mb, temperature, with_entropy)
             loss, metrics = loss_fn(mb.indices, lp, ent)
             metrics = {k: torch.as_tensor(v, dtype=torch.float32).detach() for k, v in metrics.items()}
             return loss * scale, metrics

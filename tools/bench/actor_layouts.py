@@ -9,7 +9,8 @@ drawn from a log-normal (median --median tokens, sigma --sigma, capped at --max-
 `--uniform`: every response --max-new tokens (the peer configuration, where padding costs
 nothing). Both layouts go through the library's Policy (actor/policy.py) with the same
 micro-batch token budget: `logprobs` (forward only) then `train_mini_batch` (forward + backward
-+ Adam). Prints one JSON line per layout -- real tokens/s of the two passes together, seconds of
++ Adam). `--output-path fused --output-path module` also times the output layer's module reference path
+(actor/output_logprobs.py) beside the fused one. Prints one JSON line per layout -- real tokens/s of the two passes together, seconds of
 each, padded tokens as a fraction of real ones -- then a comparison line (packed over padded).
 """
 
@@ -84,7 +85,11 @@ def main() -> None:
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="after timing, profile one logprobs + train pass and print the N ops "
                          "with the most device (CUDA) or CPU self time (`profile_top`)")
+    ap.add_argument("--output-path", action="append", choices=["fused", "module"],
+                    help="how response log-probs leave the output layer (actor/output_logprobs.py):"
+                         " fused (the default) or the module reference path; repeat for both")
     args = ap.parse_args()
+    args.output_path = args.output_path or ["fused"]
     if args.device == "cpu":
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
     import torch
@@ -108,12 +113,13 @@ def main() -> None:
 
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     results = {}
-    for layout in ("padded", "packed"):
+    for path, layout in [(p, lay) for p in args.output_path for lay in ("padded", "packed")]:
         torch.manual_seed(0)
         module, tcfg = build_module(src, ps, mcfg, packed=layout == "packed")
         policy = build_policy(module, tcfg, ps, OptimizerConfig(lr=1e-7), 100,
                               micro_batch_tokens=args.micro_batch_tokens, pad_id=0,
                               packed=layout == "packed")
+        policy.fused_logprobs = path == "fused"
         mbs = policy._micro_batches(seqs, starts)
         slots = sum(int(mb.tokens.numel()) for mb in mbs)
         times_lp, times_tr = [], []
@@ -130,7 +136,8 @@ def main() -> None:
                 times_lp.append(t1 - t0)
                 times_tr.append(t2 - t1)
         lp, tr = statistics.median(times_lp), statistics.median(times_tr)
-        results[layout] = {"bench": "actor_layouts", "layout": layout, "shape": "tiny" if args.tiny
+        key = (path, layout)
+        results[key] = {"bench": "actor_layouts", "layout": layout, "output_path": path, "shape": "tiny" if args.tiny
                            else "0.6b", "lengths": "uniform" if args.uniform else
                            f"lognormal(median {args.median:g}, sigma {args.sigma:g})",
                            "num_seqs": len(seqs), "real_tokens": real, "micro_batches": len(mbs),
@@ -140,15 +147,24 @@ def main() -> None:
                            "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)
                            if args.device == "cuda" else None}
         if args.profile:
-            results[layout]["profile_top"] = profile(policy, seqs, starts, loss_fn, args)
-        print(json.dumps(results[layout]), flush=True)
+            results[key]["profile_top"] = profile(policy, seqs, starts, loss_fn, args)
+        print(json.dumps(results[key]), flush=True)
         del policy, module
         if args.device == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
-    print(json.dumps({"bench": "actor_layouts", "compare": "packed / padded",
-                      "speedup": round(results["packed"]["tokens_per_s"]
-                                       / results["padded"]["tokens_per_s"], 3)}), flush=True)
+    for path in args.output_path:
+        print(json.dumps({"bench": "actor_layouts", "compare": "packed / padded",
+                          "output_path": path,
+                          "speedup": round(results[(path, "packed")]["tokens_per_s"]
+                                           / results[(path, "padded")]["tokens_per_s"], 3)}),
+              flush=True)
+    if len(args.output_path) == 2:
+        for layout in ("padded", "packed"):
+            print(json.dumps({"bench": "actor_layouts", "compare": "fused / module", "layout":
+                              layout, "speedup": round(results[("fused", layout)]["tokens_per_s"]
+                                                       / results[("module", layout)]
+                                                       ["tokens_per_s"], 3)}), flush=True)
     destroy_parallel()
 
 

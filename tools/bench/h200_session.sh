@@ -40,6 +40,10 @@ for stage in "$@"; do
            --recompute none --experts grouped --experts sequential --steps 4 --warmup 2 ;;
     layouts) run "$stage" python3 tools/bench/actor_layouts.py ;;
     layouts_profile) run "$stage" python3 tools/bench/actor_layouts.py --steps 2 --warmup 2 --profile 30 ;;
+    layouts_paths) run "$stage" python3 tools/bench/actor_layouts.py --output-path fused --output-path module ;;
+    rollout64) run "$stage" python3 tools/bench/rollout.py --prompts 64 --prompt-len 96 --new 512 --skip-hf --profile 25 ;;
+    rollout) run "$stage" python3 tools/bench/rollout.py ;;
+    gpu_outlp) run "$stage" python3 -m pytest -m gpu tests/unit/test_output_logprobs.py -q -ra -p no:cacheprovider ;;
     layouts_uniform) run "$stage" python3 tools/bench/actor_layouts.py --uniform ;;
     actor) run "$stage" python3 tools/bench/actor.py --shape 1.7b --backend auto --recompute none ;;
     trl) run "$stage" python3 tools/bench/trl_grpo_peer.py --steps 7 ;;

@@ -40,6 +40,29 @@ def sync():
         torch.cuda.synchronize()
 
 
+def profile(engine, prompts, sp, top: int) -> dict:
+    """One engine call under torch.profiler: wall seconds, summed device self time (a device
+    that is busy for most of the wall time is the bound; otherwise the host is), top ops."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    sync()
+    t0 = time.perf_counter()
+    with torch_profile(activities=acts) as prof:
+        engine.generate(prompts, 1, sp)
+        sync()
+    wall = time.perf_counter() - t0
+    key = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    events = prof.key_averages()
+    busy = sum(getattr(e, key, 0.0) for e in events if e.device_type.name != "CPU" or key ==
+               "self_cpu_time_total") / 1e6
+    events = sorted(events, key=lambda e: getattr(e, key, 0.0), reverse=True)
+    return {"profiled_wall_s": round(wall, 3), "device_self_s": round(busy, 3),
+            "profile_top": [[e.key[:80], round(getattr(e, key) / 1e3, 2), e.count]
+                            for e in events[:top]]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
@@ -47,6 +70,9 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new", type=int, default=512)
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="after timing, profile one more engine call: device-busy vs wall time "
+                         "and the N ops with the most device self time (`profile_top`)")
     args = ap.parse_args()
     if args.quick:
         args.prompts, args.prompt_len, args.new = 8, 16, 16
@@ -98,6 +124,7 @@ def main() -> None:
     assert sum(len(s.response_ids) for s in samples) == total_new
     ours_tps = total_new / ours
     note(f"built-in engine: {ours_tps:.0f} tokens/s")
+    prof_out = profile(engine, prompts, sp, args.profile) if args.profile else None
     del module, engine
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -125,7 +152,7 @@ def main() -> None:
                 "tokens_per_s": round(ours_tps, 1), "baseline_transformers_tokens_per_s":
                 round(hf_tps, 1) if hf_tps else None,
                 "ratio": round(ours_tps / hf_tps, 2) if hf_tps else None, "device": dev,
-                "first_call_s": round(first_call_s, 2)})
+                "first_call_s": round(first_call_s, 2), **(prof_out or {})})
     for o in out:
         print(json.dumps(o), flush=True)
 
