@@ -27,6 +27,7 @@ by (micro-batches x DP size) to undo Megatron's averaging.
 from __future__ import annotations
 
 import math
+
 import torch
 
 from megatron_rl.actor.output_logprobs import gather_sequence, hidden_states_only, rows_logprobs
