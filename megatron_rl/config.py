@@ -916,6 +916,16 @@ class TrainerConfig:
     micro_batch_tokens: int = 8192
     """Token budget of one forward/backward micro-batch (the length-bucketed planner's cap)."""
 
+    old_logprobs: Literal["auto", "recompute", "train_forward"] = "auto"
+    """Where pi_old's token log-probs come from (autoregressive models). recompute: a separate
+    forward of the whole batch before the update. train_forward: the update's own forward, detached
+    -- exact when one optimizer step consumes the whole rollout (mini_batches_per_step = 1,
+    epochs_per_step = 1, no dropout), since that forward runs at pi_old's weights; it saves one
+    forward per step (ratios are exactly 1 in that step's loss). Refused with more optimizer steps
+    per rollout or with rollout.darts.streaming (which computes them during decoding). auto:
+    train_forward where it is exact, recompute otherwise. Diffusion models always recompute
+    (their learner scores stored corruptions)."""
+
     micro_batch_layout: Literal["padded", "packed"] = "padded"
     """padded: right-padded [b, s] micro-batches (any attention backend) | packed: one THD row per
     micro-batch, attention per document (needs model.attention_backend auto, flex or te; auto

@@ -22,6 +22,7 @@ import time
 
 import torch
 
+from megatron_rl.actor.learner import check_old_logprobs
 from megatron_rl.actor.loading import build_module, save_hf
 from megatron_rl.actor.policy import build_policy
 from megatron_rl.algo import algorithm_defaults, get_algorithm
@@ -97,6 +98,7 @@ def run(cfg: RLConfig) -> dict:
             metrics.update(collector.score(batch, step))  # learner.score / DARTS-streamed
         with timer("train"):                                          # 4. policy update
             metrics.update(guarded_update(learner.update, batch, cfg, ps, run.bad_steps, step))
+            learner.finish(batch)  # pi_old's log-probs in the batch (train_forward: taken in 4.)
         store_step(store, cfg, ps, step, samples, adv, batch)  # DP-gathered; rank 0 writes
         engine.push_weights(policy.module, step)                      # 5. weight sync
         engine.wake()  # re-acquire generation memory before the next rollout / eval
@@ -140,6 +142,7 @@ def _check_setup(cfg: RLConfig, src, algo) -> str:
             f"config field `trainer.micro_batch_tokens`: {cfg.trainer.micro_batch_tokens} cannot "
             f"hold one sequence of data.max_prompt_length + rollout.max_new_tokens = {longest}")
     algo.check(cfg, src.hf_config)
+    check_old_logprobs(cfg, kind)  # trainer.old_logprobs=train_forward only where exact
     check_rollout_correction(cfg, src.hf_config, kind)  # TIS / MIS / MoE routing replay
     check_model_fit(cfg, src)  # tokenizer vs vocabulary, sequence length vs positions
     check_outputs_available(cfg.trainer, rl=True)  # wandb, zarr

@@ -3,10 +3,13 @@
     learner = algo.build_learner(cfg, policy, src, ps)   # builds pi_ref when the algorithm needs it
     learner.score(batch, step)                           # old (and ref) log-probs into the batch
     metrics = learner.update(batch)                      # the optimizer steps of this rollout
+    learner.finish(batch)                                # pi_old's log-probs are in the batch
 
 - `ARLearner` (autoregressive): per-token log-probs of the response under pi_old / pi_ref
   (`Policy.logprobs` at the rollout temperature), then `Policy.train_step` with the algorithm's
-  loss callback (mini-batches x epochs).
+  loss callback (mini-batches x epochs). When one optimizer step consumes the whole rollout,
+  pi_old's log-probs are by default that step's own forward, detached (`trainer.old_logprobs`):
+  one forward per step fewer, the same values.
 - `DiffusionLearner` (docs/algorithms.md C.4): the algorithm's corruption is drawn once per
   sample and stored in the batch (`TrainBatch.corruptions`, seeded by trainer.seed, the sample's
   index across the data-parallel ranks and the RL step, C.7), so pi_old, pi_ref and the current
@@ -43,37 +46,103 @@ def build_reference(cfg, policy, src, ps):
                         pad_id=src.tokenizer.pad_token_id, packed=packed)
 
 
+def check_old_logprobs(cfg, kind: str) -> None:
+    """Refuse `trainer.old_logprobs=train_forward` where the update's forward is not pi_old's
+    (before any model is built; dropout is checked by `old_logprobs_from_update`)."""
+    tr = cfg.trainer
+    if tr.old_logprobs != "train_forward":
+        return
+    why = []
+    if kind != "autoregressive":
+        why.append(f"the model is a {kind} LM (its learner scores stored corruptions)")
+    if tr.mini_batches_per_step != 1 or tr.epochs_per_step != 1:
+        why.append(f"trainer.mini_batches_per_step={tr.mini_batches_per_step} and "
+                   f"trainer.epochs_per_step={tr.epochs_per_step} (later optimizer steps of the "
+                   "rollout are no longer at pi_old; both must be 1)")
+    if cfg.rollout.darts.streaming:
+        why.append("rollout.darts.streaming is on (it computes them during decoding)")
+    if why:
+        raise ValueError("config field `trainer.old_logprobs`: train_forward is not exact here: "
+                         + "; ".join(why) + ". Use auto or recompute")
+
+
+def old_logprobs_from_update(cfg, module_config) -> bool:
+    """Whether the AR learner takes pi_old's log-probs from the update's own forward
+    (`trainer.old_logprobs`, resolved against the built model's dropout)."""
+    mode, tr = cfg.trainer.old_logprobs, cfg.trainer
+    dropout = max(float(getattr(module_config, "hidden_dropout", 0.0) or 0.0),
+                  float(getattr(module_config, "attention_dropout", 0.0) or 0.0))
+    if mode == "train_forward" and dropout > 0:
+        raise ValueError(f"config field `trainer.old_logprobs`: train_forward needs a model "
+                         f"without dropout (hidden/attention dropout {dropout}: the training "
+                         "forward is not pi_old's). Use auto or recompute")
+    if mode == "auto":
+        return (tr.mini_batches_per_step == 1 and tr.epochs_per_step == 1 and dropout == 0
+                and not cfg.rollout.darts.streaming)
+    return mode == "train_forward"
+
+
 class ARLearner:
-    """Autoregressive: token log-probs and the clipped policy loss (`algo.losses`)."""
+    """Autoregressive: token log-probs and the clipped policy loss (`algo.losses`).
+
+    With `trainer.old_logprobs` resolved to train_forward, `score` computes only the reference
+    log-probs and the one optimizer step's forward supplies pi_old's (detached; they are written
+    into the batch by `update`, or by `finish` when the update was skipped)."""
 
     def __init__(self, algorithm, cfg, policy, src, ps):
-        self.cfg, self.policy = cfg, policy
+        self.cfg, self.policy, self.ps = cfg, policy, ps
         self.make_loss = algorithm.loss
         self.ref = build_reference(cfg, policy, src, ps) if cfg.algorithm.kl_coef > 0 else None
+        self.from_update = old_logprobs_from_update(cfg, policy.module.config)
+
+    def _inputs(self, batch: TrainBatch):
+        seqs = [batch.input_ids(i) for i in range(len(batch))]
+        return seqs, [len(p) for p in batch.prompt_ids]
 
     def score(self, batch: TrainBatch, step: int, *, non_blocking: bool = False) -> None:
-        """Old (and reference) log-probs of every sample, recomputed by the actor.
-        non_blocking: results stay on the device (`Policy.logprobs`; DARTS streaming)."""
-        seqs = [batch.input_ids(i) for i in range(len(batch))]
-        starts = [len(p) for p in batch.prompt_ids]
+        """Old (and reference) log-probs of every sample, recomputed by the actor (old ones
+        left to the update under train_forward). non_blocking: results stay on the device
+        (`Policy.logprobs`; DARTS streaming)."""
+        seqs, starts = self._inputs(batch)
         temperature = self.cfg.rollout.temperature
         routing = routes_to_replay(batch, self.cfg)  # MoE R3: the engine's experts, or None
-        batch.old_logprobs, _ = self.policy.logprobs(seqs, starts, temperature=temperature,
-                                                     routing=routing, non_blocking=non_blocking)
+        if self.from_update:
+            batch.old_logprobs = None
+        else:
+            batch.old_logprobs, _ = self.policy.logprobs(seqs, starts, temperature=temperature,
+                                                         routing=routing,
+                                                         non_blocking=non_blocking)
         if self.ref is not None:
             batch.ref_logprobs, _ = self.ref.logprobs(seqs, starts, temperature=temperature,
                                                       non_blocking=non_blocking)
 
     def update(self, batch: TrainBatch) -> dict[str, float]:
         cfg, tr = self.cfg, self.cfg.trainer
+        capture = {} if batch.old_logprobs is None else None
 
         def make_loss(mb, global_tokens, global_seqs):
             return self.make_loss(mb, global_tokens, global_seqs, cfg=cfg.algorithm,
-                                  norm_len=cfg.rollout.max_new_tokens)
+                                  norm_len=cfg.rollout.max_new_tokens, capture=capture)
 
-        return self.policy.train_step(batch, make_loss, mini_batches=tr.mini_batches_per_step,
-                                      epochs=tr.epochs_per_step,
-                                      temperature=cfg.rollout.temperature)
+        metrics = self.policy.train_step(batch, make_loss, mini_batches=tr.mini_batches_per_step,
+                                         epochs=tr.epochs_per_step,
+                                         temperature=cfg.rollout.temperature)
+        if capture is not None:  # one optimizer step over the whole batch: its forward was pi_old's
+            from megatron_rl.actor.stage_sync import from_last_stage
+
+            sizes = [len(r) for r in batch.response_ids]
+            mine = [capture[i].float().cpu() for i in range(len(batch))] if capture else None
+            batch.old_logprobs = from_last_stage(mine, sizes, self.ps)
+        return metrics
+
+    def finish(self, batch: TrainBatch) -> None:
+        """After `update` (or its skip: no learning signal): pi_old's log-probs are in the batch
+        for the step's metrics and the rollout store."""
+        if batch.old_logprobs is None:
+            seqs, starts = self._inputs(batch)
+            batch.old_logprobs, _ = self.policy.logprobs(
+                seqs, starts, temperature=self.cfg.rollout.temperature,
+                routing=routes_to_replay(batch, self.cfg))
 
 
 class DiffusionLearner:
@@ -132,6 +201,9 @@ class DiffusionLearner:
             group_ids=torch.tensor([groups.setdefault(g, len(groups)) for g in batch.group_ids],
                                    dtype=torch.long),
         )
+
+    def finish(self, batch: TrainBatch) -> None:
+        """Nothing to complete: `score` always stores pi_old's view log-probs."""
 
     def update(self, batch: TrainBatch) -> dict[str, float]:
         """trainer.epochs_per_step passes of trainer.mini_batches_per_step optimizer steps; the

@@ -353,19 +353,31 @@ def policy_loss(
     )
 
 
-def make_loss_fn(batch, global_tokens: float, global_seqs: float, *, cfg, norm_len: int):
+def make_loss_fn(batch, global_tokens: float, global_seqs: float, *, cfg, norm_len: int,
+                 capture: dict | None = None):
     """The actor's loss callback for one mini-batch (`types.TrainBatch`) under the
     `AlgorithmConfig` cfg: `fn(indices, logprobs, entropy) -> (loss, metrics)` over the samples
     of one micro-batch. Metric parts are weighted by the micro-batch's token share so that the
-    actor's sum over micro-batches is the mini-batch's token mean."""
+    actor's sum over micro-batches is the mini-batch's token mean. A batch without old
+    log-probs (`trainer.old_logprobs` train_forward) takes this forward's own, detached, and
+    records them per sample index in `capture`."""
 
     def loss_fn(indices, logprobs, entropy):
         pad = batch.select(indices).padded()
         device = logprobs[0].device
+        logprobs_BT = torch.nn.utils.rnn.pad_sequence(logprobs, batch_first=True)
+        if "old_logprobs_BT" in pad:
+            old_BT = pad["old_logprobs_BT"].to(device)
+        elif capture is None:
+            raise ValueError("make_loss_fn: the batch has no old log-probs and no `capture` "
+                             "to take them from this forward (trainer.old_logprobs)")
+        else:
+            old_BT = logprobs_BT.detach()
+            capture.update((i, lp.detach()) for i, lp in zip(indices, logprobs))
         out = policy_loss(
             PolicyLossInput(
-                logprobs_BT=torch.nn.utils.rnn.pad_sequence(logprobs, batch_first=True),
-                old_logprobs_BT=pad["old_logprobs_BT"].to(device),
+                logprobs_BT=logprobs_BT,
+                old_logprobs_BT=old_BT,
                 advantages_BT=pad["advantages_BT"].to(device),
                 mask_BT=pad["mask_BT"].to(device),
                 ref_logprobs_BT=pad["ref_logprobs_BT"].to(device)
