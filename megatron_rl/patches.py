@@ -2,8 +2,9 @@
 
 Megatron-Core assumes CUDA in about ten places. On a machine without a GPU `apply_patches()`
 redirects each of them to the CPU, without editing Megatron's files; none of those is applied
-when CUDA is available. Two shims apply on GPU too: 10 covers a missing Transformer-Engine and
-12 removes a copy that does nothing (numbers unchanged). Each patch names the Megatron function
+when CUDA is available. Three shims apply on GPU too: 10 covers a missing Transformer-Engine,
+12 removes a copy that does nothing and 13 applies packed (THD) RoPE in one pass (numbers
+unchanged). Each patch names the Megatron function
 or module it covers; all were
 written for megatron-core 0.16.1 (`PINNED_MEGATRON_VERSION`), and `check_patch_targets()` (run by
 the tests) fails loudly when a version bump moves or removes a target.
@@ -21,6 +22,8 @@ The list (docs/design.md, "Megatron-Core on CPU"):
  10. MoE without Transformer-Engine: moe_utils.te_general_gemm = None (on GPU too)
  11. sequence-parallel local norm: handled where the norm is built (models/), not here.
  12. token_dispatcher.sort_chunks_by_idxs with the identity order -> its inputs (on GPU too)
+ 13. rope_utils._apply_rotary_pos_emb_thd without context parallelism -> one pass over the packed
+     rows, cos/sin built once per forward (on GPU too)
 """
 
 from __future__ import annotations
@@ -307,6 +310,60 @@ def _patch_identity_chunk_sort() -> None:
     token_dispatcher.sort_chunks_by_idxs = sort_chunks_by_idxs
 
 
+def _patch_thd_rope() -> None:
+    """13. megatron-core 0.16.x RoPE on packed (THD) rows without Transformer-Engine.
+
+    `_apply_rotary_pos_emb_thd` reads the sequence lengths to the host (`.tolist()`, a device
+    sync), splits the rows per sequence, slices and concatenates the frequencies per sequence and
+    takes cos / sin of them: for q and k in every layer, and the split / cat again in backward
+    (the packed actor step spent more in these small kernels than in its matmuls). Without
+    context parallelism the per-row frequencies are `freqs[position in its sequence]`: one
+    gather from `cu_seqlens` on the device (no sync), and cos / sin of it are built once per
+    (cu_seqlens, freqs) pair -- every layer of a forward passes the same two tensors -- then one
+    rotation of the whole row. The same operations on the same values as Megatron's (equal
+    bits: tests/unit/test_patches.py). Context parallelism and multi-latent attention run
+    Megatron's function.
+    """
+    from megatron.core.models.common.embeddings import rope_utils
+
+    original = rope_utils._apply_rotary_pos_emb_thd
+    if getattr(original, "_megatron_rl_one_pass", False):
+        return
+    last: list = []  # [key, (cos, sin)] of the last call (a forward's layers share the key)
+
+    def cos_sin(cu_seqlens, freqs, rows: int, mscale: float, dtype):
+        key = (cu_seqlens, freqs, cu_seqlens._version, freqs._version, rows, mscale, dtype)
+        if last and all(a is b or (type(a) is not torch.Tensor and a == b)
+                        for a, b in zip(last[0], key)):
+            return last[1]
+        if freqs.size(0) == rows:  # Megatron's "exact mapping" case: row i takes freqs[i]
+            packed = freqs[:rows]
+        else:  # position of each row within its own sequence
+            cu = cu_seqlens.long()
+            starts = torch.repeat_interleave(cu[:-1], cu[1:] - cu[:-1], output_size=rows)
+            packed = freqs[torch.arange(rows, device=cu.device) - starts]
+        packed = packed.squeeze(1)  # [rows, 1, dim]: broadcasts over the heads of [rows, h, dim]
+        value = ((torch.cos(packed) * mscale).to(dtype), (torch.sin(packed) * mscale).to(dtype))
+        last[:] = [key, value]  # strong references: an identical `is` means the same tensor
+        return value
+
+    @functools.wraps(original)
+    def _apply_rotary_pos_emb_thd(t, cu_seqlens, freqs, rotary_interleaved=False,
+                                  multi_latent_attention=False, mscale=1.0, cp_group=None):
+        if cp_group is None or cp_group.size() > 1 or multi_latent_attention:
+            return original(t, cu_seqlens, freqs, rotary_interleaved=rotary_interleaved,
+                            multi_latent_attention=multi_latent_attention, mscale=mscale,
+                            cp_group=cp_group)
+        cos, sin = cos_sin(cu_seqlens, freqs, int(t.shape[0]), mscale, t.dtype)
+        rot = freqs.shape[-1]
+        x, rest = t[..., :rot], t[..., rot:]
+        x = (x * cos) + (rope_utils._rotate_half(x, rotary_interleaved) * sin)
+        return torch.cat((x, rest), dim=-1)
+
+    _apply_rotary_pos_emb_thd._megatron_rl_one_pass = True
+    rope_utils._apply_rotary_pos_emb_thd = _apply_rotary_pos_emb_thd
+
+
 def apply_patches() -> bool:
     """Apply every shim once: the TE-absence fix and the identity-sort skip always, the CPU
     shims when there is no CUDA.
@@ -318,6 +375,7 @@ def apply_patches() -> bool:
         return not torch.cuda.is_available()
     _patch_missing_te()
     _patch_identity_chunk_sort()
+    _patch_thd_rope()
     if not torch.cuda.is_available():
         _patch_torch_cuda()
         _patch_tensor_methods()
@@ -338,6 +396,8 @@ def check_patch_targets() -> list[str]:
         "megatron.core.transformer.utils": ["get_default_causal_mask"],
         "megatron.core.fusions.fused_softmax": ["get_default_causal_mask"],
         "megatron.core.transformer.moe.moe_utils": ["maybe_move_tensor_to_cpu"],
+        "megatron.core.models.common.embeddings.rope_utils": ["_apply_rotary_pos_emb_thd",
+                                                              "_rotate_half"],
         "megatron.core.transformer.moe.token_dispatcher": [
             "maybe_move_tensor_to_cpu",
             "sort_chunks_by_idxs",

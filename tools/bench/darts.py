@@ -16,6 +16,12 @@ model is SFT'd briefly on those demonstrations, then each arm trains from that c
     darts_s0             the same with token streaming (B.6): the same samples as
                          darts_nostream_s0, so the pair measures what streaming hides
 
+`--mini-batches N` (default 2) sets `trainer.mini_batches_per_step` for every arm: the DARTS
+recipe takes several optimizer steps per rollout (8), so pi_old's log-probs are a forward of
+their own, which streaming hides. With `--mini-batches 1` one optimizer step consumes the
+rollout, pi_old's log-probs come from that step's own forward (`trainer.old_logprobs=auto`),
+there is nothing to hide, and the streaming arm only adds work: compare darts_nostream_s0 there.
+
 DARTS runs with `rollout.darts.long_end=0`: every prompt keeps its n earliest finishers and
 aborts the rest (tail pruning). With the default L = 1 a prompt waits for its longest request
 (kept as the long end), so within ten steps the rollout cannot be shorter than GRPO's (B.10).
@@ -104,6 +110,8 @@ def main() -> None:
     ap.add_argument("--sft-steps", type=int, default=None)
     ap.add_argument("--stream-chunk", type=int, default=0,
                     help="rollout.darts.stream_chunk of the streaming arm (0: B*n/4)")
+    ap.add_argument("--mini-batches", type=int, default=2,
+                    help="trainer.mini_batches_per_step of every arm (see the module docstring)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--arms", default="grpo_s0,grpo_s1,darts_nostream_s0,darts_s0")
     ap.add_argument("--stack-dump-s", type=float, default=0,
@@ -150,7 +158,8 @@ def main() -> None:
               "reward.name=darts:copy_reward", f"optimizer.lr={1e-4 if tiny else 2e-6}",
               f"trainer.total_steps={steps}", f"trainer.init_from={out}/sft/final",
               "trainer.num_eval_examples=32", "trainer.rollout_store=false",
-              f"trainer.micro_batch_tokens={8192 if tiny else 32768}"]
+              f"trainer.micro_batch_tokens={8192 if tiny else 32768}",
+              f"trainer.mini_batches_per_step={args.mini_batches}"]
     summary: dict[str, dict] = {}
     for name, extra in arms(args).items():
         if name not in args.arms.split(","):
@@ -171,7 +180,8 @@ def main() -> None:
                          "pass_at_1_after": result.get("pass_at_1_after")}
         print(json.dumps({"bench": "darts", "arm": name, "summary": "median of steps >= 2",
                           **summary[name]}), flush=True)
-    print(json.dumps({"bench": "darts", "compare": True, **compare(summary),
+    print(json.dumps({"bench": "darts", "compare": True, "mini_batches": args.mini_batches,
+                      **compare(summary),
                       "seconds": round(time.perf_counter() - t0, 1)}), flush=True)
 
 
@@ -194,6 +204,9 @@ def compare(s: dict[str, dict]) -> dict:
     if "grpo_s0" in s and "darts_s0" in s:
         out["speedup_per_step"] = round(s["grpo_s0"]["step_s"] / s["darts_s0"]["step_s"], 3)
         out["logprob_hidden_frac"] = s["darts_s0"]["hidden_frac"]
+    if "grpo_s0" in s and "darts_nostream_s0" in s:
+        out["speedup_per_step_nostream"] = round(
+            s["grpo_s0"]["step_s"] / s["darts_nostream_s0"]["step_s"], 3)
     if "darts_s0" in s and "darts_nostream_s0" in s:
         a, b = s["darts_nostream_s0"], s["darts_s0"]
         cost = (b["rollout_s"] - a["rollout_s"]) + b["logprob_exposed_s"]
