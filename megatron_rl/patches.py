@@ -4,7 +4,7 @@ Megatron-Core assumes CUDA in about ten places. On a machine without a GPU `appl
 redirects each of them to the CPU, without editing Megatron's files; none of those is applied
 when CUDA is available. Three shims apply on GPU too: 10 covers a missing Transformer-Engine,
 12 removes a copy that does nothing and 13 applies packed (THD) RoPE in one pass (numbers
-unchanged). Each patch names the Megatron function
+unchanged); 14 applies on GPU only (the grad norm without a host sync per tensor). Each patch names the Megatron function
 or module it covers; all were
 written for megatron-core 0.16.1 (`PINNED_MEGATRON_VERSION`), and `check_patch_targets()` (run by
 the tests) fails loudly when a version bump moves or removes a target.
@@ -24,6 +24,8 @@ The list (docs/design.md, "Megatron-Core on CPU"):
  12. token_dispatcher.sort_chunks_by_idxs with the identity order -> its inputs (on GPU too)
  13. rope_utils._apply_rotary_pos_emb_thd without context parallelism -> one pass over the packed
      rows, cos/sin built once per forward (on GPU too)
+ 14. without TE / apex, megatron's local multi-tensor l2 norm and scale -> torch's foreach
+     kernels (GPU only: the local norm syncs the host once per parameter tensor)
 """
 
 from __future__ import annotations
@@ -364,9 +366,56 @@ def _patch_thd_rope() -> None:
     rope_utils._apply_rotary_pos_emb_thd = _apply_rotary_pos_emb_thd
 
 
+def _foreach_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
+    """amp_C.multi_tensor_l2norm's contract (total norm as a [1] fp32 device tensor, None) from
+    torch's foreach norm: no host round trip. Megatron's local version builds a host tensor
+    of the per-tensor norms (one sync per parameter tensor) and copies the total back."""
+    norms = [n for tl in tensor_lists if tl for n in torch._foreach_norm(tl)]
+    if not norms:
+        return torch.zeros(1, dtype=torch.float32, device=torch.cuda.current_device()), None
+    total = torch.linalg.vector_norm(torch.stack([n.float() for n in norms]))
+    return total.reshape(1), None
+
+
+def _foreach_scale(chunk_size, noop_flag, tensor_lists, scale):
+    """amp_C.multi_tensor_scale's contract, dst = src * scale, in foreach launches: in place when
+    src and dst are the same tensors (grad clipping), a plain copy at scale 1 (the fp32 main
+    params back into the bf16 model params), else Megatron's per-tensor loop (no extra memory)."""
+    src, dst = tensor_lists[0], tensor_lists[1]
+    if not src:
+        return
+    if all(a is b for a, b in zip(src, dst)):
+        torch._foreach_mul_(dst, scale)
+    elif scale == 1.0:
+        torch._foreach_copy_(dst, src)
+    else:
+        for a, b in zip(src, dst):
+            b.copy_(a * scale)
+
+
+def _patch_multi_tensor_ops() -> None:
+    """14. megatron-core 0.16.x without TE or apex: `megatron.core.utils.local_multi_tensor_l2_norm`
+    (grad clipping's norm) and `local_multi_tensor_scale` (clipping's scale, and the copy of
+    the fp32 main params into the model's bf16 params after every step), which
+    `optimizer.clip_grads` and `optimizer.optimizer` bound at import, -> `_foreach_l2_norm` /
+    `_foreach_scale`. The local norm converts a list of device scalars to a host tensor: one
+    sync per parameter tensor (226 per optimizer step at the Qwen3-0.6B shape,
+    tools/bench/sync_probe.py). Applied on GPU only; the norm equals Megatron's within fp32
+    rounding (a different reduction order), the scale and copy are equal
+    (tests/unit/test_patches.py)."""
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads, optimizer
+
+    if getattr(clip_grads, "l2_norm_impl", None) is utils.local_multi_tensor_l2_norm:
+        clip_grads.l2_norm_impl = _foreach_l2_norm
+    for mod in (clip_grads, optimizer):
+        if getattr(mod, "multi_tensor_scale_impl", None) is utils.local_multi_tensor_scale:
+            mod.multi_tensor_scale_impl = _foreach_scale
+
+
 def apply_patches() -> bool:
-    """Apply every shim once: the TE-absence fix and the identity-sort skip always, the CPU
-    shims when there is no CUDA.
+    """Apply every shim once: the TE-absence fix, the identity-sort skip and the one-pass THD
+    RoPE always, the foreach multi-tensor ops on CUDA, the CPU shims when there is no CUDA.
 
     Returns True if the CPU shims were applied.
     """
@@ -376,7 +425,9 @@ def apply_patches() -> bool:
     _patch_missing_te()
     _patch_identity_chunk_sort()
     _patch_thd_rope()
-    if not torch.cuda.is_available():
+    if torch.cuda.is_available():
+        _patch_multi_tensor_ops()
+    else:
         _patch_torch_cuda()
         _patch_tensor_methods()
         _patch_megatron()

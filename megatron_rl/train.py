@@ -152,7 +152,7 @@ def _check_setup(cfg: RLConfig, src, algo) -> str:
     if name == "local":  # no PP, MoE only at TP = EP = 1
         from megatron_rl.rollout.local import check_layout
 
-        check_layout(cfg.parallel, src.hf_config)
+        check_layout(cfg.parallel, src.hf_config, cfg.rollout.decode_attention)
     return name
 
 

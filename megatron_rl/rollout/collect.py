@@ -124,8 +124,10 @@ class Collector:
         if d.streaming:
             chunk = d.stream_chunk or max(1, cfg.data.train_batch_size // self.ps.dp_size
                                           * cfg.rollout.n // 4)
+            moe = getattr(self.learner.policy.module.config, "num_moe_experts", None) is not None
             self._streamer = LogprobStreamer(learner_score_fn(self.learner, cfg, step), chunk,
-                                             self.ps.device, side_stream=d.stream_side_stream)
+                                             self.ps.device, side_stream=d.stream_side_stream,
+                                             worker_thread=not moe)
         if self.roll is not None:
             return self._collect_roll(batches)
         ds = DynamicSamplingState(target=cfg.data.train_batch_size // self.ps.dp_size,

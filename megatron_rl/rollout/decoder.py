@@ -11,7 +11,9 @@ overhead per token. For generation the engine instead runs this forward, which
   engine: a slot is one sequence, written at its own positions (continuous batching refills a
   slot without touching the others);
 * decodes one token for every slot with GQA folded into the query axis (no K/V expansion) and
-  the keys sliced to a length bucket, so a step reads only the cache it needs;
+  the keys sliced to a length bucket, so a step reads only the cache it needs; on CUDA (with
+  triton) a layer's cache write and attention are one fused kernel that reads each slot's own
+  keys only (`rollout/decode_attention.py`; `decode_attention="torch"` keeps the torch path);
 * on CUDA captures the decode step once per (slots, length bucket) in a CUDA graph: one
   replay per token instead of hundreds of launches. Graphs are dropped when a weight tensor is
   re-allocated (pointer check) or on `release()`.
@@ -34,6 +36,12 @@ import torch.nn.functional as F
 
 from megatron_rl.models.norm import rms_norm_reference
 from megatron_rl.parallel import ParallelState
+from megatron_rl.rollout.decode_attention import (
+    attend_block,
+    decode_attention,
+    length_bias,
+    resolve_decode_attention,
+)
 
 
 def length_bucket(n: int, max_len: int, quantum: int = 64) -> int:
@@ -53,9 +61,13 @@ class LeanDecoder:
     """
 
     def __init__(self, module, ps: ParallelState, use_cuda_graphs: bool | None = None,
-                 fused_blocks: bool = True):
+                 fused_blocks: bool = True, decode_attention: str = "auto"):
         """fused_blocks: decode dense layers through `qkv_block` / `attend_block` /
-        `mlp_in_block` (compiled on CUDA) instead of the generic module-by-module path."""
+        `mlp_in_block` (compiled on CUDA) instead of the generic module-by-module path.
+        decode_attention (`rollout.decode_attention`): auto | triton | torch -- each decode
+        step's cache write + attention as the fused Triton kernel (auto: on CUDA with triton
+        installed and head_dim in decode_attention.HEAD_DIMS) or as index writes + `attend_block`;
+        an explicit triton that cannot run is refused (ValueError)."""
         cfg = module.config
         if ps.pp_size > 1:
             raise ValueError("parallel.pipeline_model_parallel_size > 1: the lean decoder needs "
@@ -80,6 +92,8 @@ class LeanDecoder:
         self.heads = cfg.num_attention_heads // tp
         self.groups = cfg.num_query_groups // tp
         self.head_dim = cfg.kv_channels
+        self.attention = resolve_decode_attention(decode_attention, ps.device.type == "cuda",
+                                                  self.head_dim)
         core = self.layers[0].self_attention.core_attention
         self.scale = float(getattr(core, "softmax_scale", None) or self.head_dim ** -0.5)
         rope = module.rotary_pos_emb
@@ -275,28 +289,30 @@ class LeanDecoder:
 
     def _decode_eager(self, kv_len: int) -> torch.Tensor:
         """One token per slot: self.tokens at self.positions -> logits [slots, V]."""
-        B, g, per, d = self.slots, self.groups, self.heads // self.groups, self.head_dim
         pos = self.positions
         cos, sin = self._cos[pos][:, None, :], self._sin[pos][:, None, :]  # [B, 1, rot]
-        keep = torch.arange(kv_len, device=self.device)[None, :] <= pos[:, None]  # [B, S]
-        bias = torch.zeros(B, 1, 1, kv_len, dtype=torch.float32, device=self.device)
-        bias.masked_fill_(~keep[:, None, None, :], float("-inf"))
+        bias = length_bias(pos, kv_len) if self.attention == "torch" else None  # [B, 1, 1, S]
         x = self._embed(self.tokens)  # [B, H]
         if self._blocks:
-            return self._logits(self._decode_blocks(x, pos, cos, sin, bias, kv_len))
+            return self._logits(self._decode_blocks(x, cos, sin, bias, kv_len))
         for li, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, x, cos, sin)  # q [B, heads, d], k/v [B, g, d]
-            self.k[li, self._slot_index, :, pos] = k
-            self.v[li, self._slot_index, :, pos] = v
-            kc, vc = self.k[li, :, :, :kv_len], self.v[li, :, :, :kv_len]  # [B, g, S, d] views
-            qf = q.view(B, g, per, d)  # GQA: the query heads of a KV head share its keys
-            scores = torch.matmul(qf, kc.transpose(-1, -2)).float() * self.scale + bias
-            o = torch.matmul(scores.softmax(-1).to(vc.dtype), vc)  # [B, g, per, d]
-            x = x + self._linear(layer.self_attention.linear_proj, o.reshape(B, -1), "row")
+            o = self._attend(li, q, k, v, bias, kv_len, attend_block)
+            x = x + self._linear(layer.self_attention.linear_proj, o, "row")
             x = x + self._mlp(layer, x)
         return self._logits(x)
 
-    def _decode_blocks(self, x, pos, cos, sin, bias, kv_len):
+    def _attend(self, li: int, q, k, v, bias, kv_len: int, attend_fn):
+        """Layer li: write the step's k/v [B, g, d] at self.positions and attend q [B, heads, d]
+        to keys 0..position -> [B, heads*d] (GQA: the query heads of a KV head share its keys)."""
+        pos = self.positions
+        if self.attention == "triton":
+            return decode_attention(q, k, v, self.k[li], self.v[li], pos, self.scale, kv_len)
+        self.k[li, self._slot_index, :, pos] = k
+        self.v[li, self._slot_index, :, pos] = v
+        return attend_fn(q, self.k[li, :, :, :kv_len], self.v[li, :, :, :kv_len], bias, self.scale)
+
+    def _decode_blocks(self, x, cos, sin, bias, kv_len):
         qkv_fn, attend_fn, mlp_fn = self._block_fns()
         eps = self.eps
         for li, layer in enumerate(self.layers):
@@ -306,10 +322,7 @@ class LeanDecoder:
                              getattr(att.linear_qkv, "bias", None),
                              None if qn is None else qn.weight, None if kn is None else kn.weight,
                              cos, sin, eps, self.groups, self.heads // self.groups)
-            self.k[li, self._slot_index, :, pos] = k
-            self.v[li, self._slot_index, :, pos] = v
-            o = attend_fn(q, self.k[li, :, :, :kv_len], self.v[li, :, :, :kv_len], bias,
-                          self.scale)
+            o = self._attend(li, q, k, v, bias, kv_len, attend_fn)
             x, act = mlp_fn(x, self._all_reduce(F.linear(o, att.linear_proj.weight)),
                             layer.pre_mlp_layernorm.weight, mlp.linear_fc1.weight, eps)
             x = x + self._all_reduce(F.linear(act, mlp.linear_fc2.weight))
@@ -345,7 +358,8 @@ class LeanDecoder:
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
+            # thread_local: a DARTS streaming worker may launch on its own stream meanwhile
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
                 out = self._decode_eager(kv_len)
             entry = self._graphs[kv_len] = (graph, out)
         graph, out = entry
@@ -383,16 +397,6 @@ def qkv_block(x, ln_w, qkv_w, qkv_b, qn_w, kn_w, cos, sin, eps: float, groups: i
     if qn_w is not None:
         q, k = rms_norm_reference(q, qn_w, eps), rms_norm_reference(k, kn_w, eps)
     return _rope_half(q, cos, sin), _rope_half(k, cos, sin), v.contiguous()
-
-
-def attend_block(q, kc, vc, bias, scale: float):
-    """One query token per slot against its cached keys: q [B, h, d], kc/vc [B, g, S, d]
-    (views of the cache), bias [B, 1, 1, S] (0 / -inf) -> [B, h*d]. GQA by folding the h/g
-    query heads of each KV head into the query axis; softmax in fp32."""
-    B, g, _, d = kc.shape
-    qf = q.view(B, g, -1, d)
-    scores = torch.matmul(qf, kc.transpose(-1, -2)).float() * scale + bias
-    return torch.matmul(scores.softmax(-1).to(vc.dtype), vc).reshape(B, -1)
 
 
 def mlp_in_block(x, attn_out, ln_w, fc1_w, eps: float):

@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from megatron_rl.actor.routing_replay import EngineRoutes
 from megatron_rl.parallel import ParallelState
+from megatron_rl.rollout.decode_attention import resolve_decode_attention
 from megatron_rl.rollout.decoder import LeanDecoder, length_bucket
 from megatron_rl.rollout.engine import SamplingParams
 from megatron_rl.types import Sample
@@ -93,11 +94,14 @@ class LocalEngine:
         cuda_graphs: bool | None = None,
         prefill_tokens: int = 65536,
         record_routing: bool = False,
+        decode_attention: str = "auto",
     ):
         """decoder: auto | lean | megatron (see the module docstring); cuda_graphs: None = on
         for dense models on CUDA; prefill_tokens: most (padded) prompt tokens per prefill;
         record_routing: MoE, lean decoder: every Sample carries the experts its tokens were
-        routed to (`Sample.routed_experts`, for the actor's routing replay)."""
+        routed to (`Sample.routed_experts`, for the actor's routing replay);
+        decode_attention: the lean decoder's decode attention, auto | triton | torch
+        (`rollout.decode_attention`, rollout/decode_attention.py)."""
         if ps.pp_size > 1:
             raise ValueError(
                 "config field `rollout.engine`: the built-in engine does not support pipeline "
@@ -110,6 +114,9 @@ class LocalEngine:
                 "records routing for MoE models on its lean decoder only (decoder=auto | lean)")
         if decoder not in ("auto", "lean", "megatron"):
             raise ValueError(f"LocalEngine decoder: {decoder!r} not in auto | lean | megatron")
+        if decoder == "megatron" and decode_attention != "auto":
+            raise ValueError("config field `rollout.decode_attention` is the lean decoder's; "
+                             "the megatron decoder runs Megatron's own attention")
         self.module = module
         self.ps = ps
         self.pad_id = pad_id
@@ -123,7 +130,8 @@ class LocalEngine:
         self.prefill_tokens = prefill_tokens
         self.keep_graphs = True
         self.record_routing = record_routing
-        self._lean = LeanDecoder(module, ps, cuda_graphs) if self.decoder_kind == "lean" else None
+        self._lean = (LeanDecoder(module, ps, cuda_graphs, decode_attention=decode_attention)
+                      if self.decoder_kind == "lean" else None)
         self._exp_race = None
 
     # -- protocol --------------------------------------------------------------------------
@@ -537,15 +545,23 @@ def build(ctx) -> LocalEngine:
     rc = getattr(getattr(ctx.cfg, "algorithm", None), "rollout_correction", None)
     engine = LocalEngine(ctx.module, ctx.ps, pad_id=tok.pad_token_id or 0, tokenizer=tok,
                          max_batch_size=ctx.cfg.rollout.max_batch_size, seed=ctx.seed,
-                         record_routing=bool(rc is not None and rc.routing_replay))
+                         record_routing=bool(rc is not None and rc.routing_replay),
+                         decode_attention=ctx.cfg.rollout.decode_attention)
     engine.keep_graphs = ctx.cfg.rollout.keep_decode_graphs
     return engine
 
 
-def check_layout(parallel_cfg, hf_config: dict) -> None:
+def check_available(rollout_cfg) -> None:
+    """Refuse, before any model is built, `rollout.decode_attention=triton` without triton or
+    CUDA (LeanDecoder refuses the same, and a head_dim the kernel lacks, at construction)."""
+    resolve_decode_attention(rollout_cfg.decode_attention, torch.cuda.is_available())
+
+
+def check_layout(parallel_cfg, hf_config: dict, decode_attention: str = "auto") -> None:
     """Refuse, before any model is built, a layout this engine cannot decode: pipeline
-    parallelism, and MoE models at tensor or expert parallel > 1 (LocalEngine and LeanDecoder
-    refuse the same at construction; this says it before the run has built anything)."""
+    parallelism, MoE models at tensor or expert parallel > 1, and `rollout.decode_attention=
+    triton` for a head_dim the kernel lacks (LocalEngine and LeanDecoder refuse the same at
+    construction; this says it before the run has built anything)."""
     from megatron_rl.models import get_family
 
     pp = parallel_cfg.pipeline_model_parallel_size
@@ -555,7 +571,9 @@ def check_layout(parallel_cfg, hf_config: dict) -> None:
             "config field `rollout.engine`: the built-in engine does not support pipeline "
             f"parallelism (parallel.pipeline_model_parallel_size={pp}); use an external engine "
             "(rollout.engine=sglang or vllm)")
-    moe = "num_moe_experts" in get_family(hf_config).transformer_config(hf_config)
+    tcfg = get_family(hf_config).transformer_config(hf_config)
+    resolve_decode_attention(decode_attention, torch.cuda.is_available(), tcfg["kv_channels"])
+    moe = "num_moe_experts" in tcfg
     if moe and (tp > 1 or ep > 1):
         raise ValueError(
             "config field `rollout.engine`: the built-in engine does not support MoE models at "

@@ -7,7 +7,15 @@ The engine tells a `RolloutListener` about each request as it ends (`on_finish`)
 token streaming buffer (`ops.TokenStreamBuffer`; its whole sequence, prompt then response, as
 one finished entry); once `chunk` of them wait, `poll` takes them in completion order and runs
 the learner's scoring forward on them -- on CPU interleaved between decode steps, on CUDA on a
-second stream with no host sync, so that the GPU runs it beside the decode graphs.
+second stream with no host sync, so that the GPU runs it beside the decode graphs. On CUDA the
+launch itself goes to a worker thread (`worker_thread`, dense models): a Megatron forward on a
+few thousand tokens is launch-bound (~0.1 s of host time for the Qwen3-0.6B shape on 4.5k
+tokens, as long as its GPU time: tools/bench/sync_probe.py), and launched from the decode loop
+it stalls the decode steps for that long. The worker launches while the decode thread waits on
+its per-step token copy (torch releases the GIL in its ops and syncs); the GIL switch interval
+is lowered while the worker runs so that the decode thread gets it back quickly. MoE models run
+Megatron's MoE layers in the decode step itself, so their streamed forwards stay on the decode
+thread.
 `finish(needed)` scores what is left once decoding is over (the exposed part) and returns the
 log-probs of every sample the step trains on, in that order.
 
@@ -33,8 +41,10 @@ non-streamed run with the same samples).
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Protocol
 
 import torch
@@ -63,11 +73,17 @@ class LogprobStreamer:
 
     score_fn: the learner's scoring on a list of samples; chunk: samples per streamed forward;
     device: the policy's device; side_stream: on CUDA, launch the streamed forwards on a
-    second stream and leave their results on the device until `finish`.
+    second stream and leave their results on the device until `finish`; worker_thread: launch
+    them from a worker thread (with side_stream; see the module docstring).
     """
 
+    SWITCH_INTERVAL_S = 2e-4
+    """The GIL switch interval while the worker runs (Python's default is 5 ms, two decode
+    steps)."""
+
     def __init__(self, score_fn: ScoreFn, chunk: int, device: torch.device,
-                 side_stream: bool = True, capacity_tokens: int = 1 << 32):
+                 side_stream: bool = True, capacity_tokens: int = 1 << 32,
+                 worker_thread: bool = True):
         from megatron_rl.ops import TokenStreamBuffer
 
         if chunk < 1:
@@ -77,6 +93,13 @@ class LogprobStreamer:
         cuda = torch.device(device).type == "cuda"
         self.side = torch.cuda.Stream(device=device) if cuda and side_stream else None
         self.device = device
+        self._worker = None
+        if self.side is not None and worker_thread:
+            self._worker = ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="darts-stream",
+                initializer=torch.cuda.set_device, initargs=(torch.device(device),))
+        self._jobs: list[Future] = []
+        self._switch_interval: float | None = None
         self._next_key = 0
         self._pending: dict[int, tuple[Sample, int]] = {}  # buffer key -> (sample, prompt len)
         self._scores: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
@@ -104,6 +127,7 @@ class LogprobStreamer:
         """Score what is still waiting (of `needed`), wait for the side stream and return the
         old (and reference) log-probs of the `needed` sample ids, in order, on the host."""
         t0 = time.perf_counter()
+        self._join()
         rest = self.buffer.drain()
         want = set(needed)
         keep = [i for i, k in enumerate(rest.sample_ids)
@@ -144,15 +168,49 @@ class LogprobStreamer:
         else:  # beside the decode graphs: launched, not waited for; GPU time from events
             self.side.wait_stream(torch.cuda.current_stream(self.device))
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            with torch.cuda.stream(self.side):
-                start.record()
-                self._score(batch.sample_ids, toks, non_blocking=True)
-                end.record()
             self._events.append((start, end))
+            job = (self._launch, self._take(list(batch.sample_ids)), toks, start, end)
+            if self._worker is None:
+                job[0](*job[1:])
+            else:
+                if self._switch_interval is None:
+                    self._switch_interval = sys.getswitchinterval()
+                    sys.setswitchinterval(self.SWITCH_INTERVAL_S)
+                self._jobs.append(self._worker.submit(*job))
         self.streamed_samples += len(batch.sample_ids) if streamed else 0
 
+    def _launch(self, taken, toks: list[torch.Tensor], start, end) -> None:
+        with torch.cuda.stream(self.side):
+            start.record()
+            self._score_samples(taken, toks, non_blocking=True)
+            end.record()
+
+    def _join(self) -> None:
+        """Wait for the worker's launches (re-raising their errors) and restore the GIL switch
+        interval."""
+        try:
+            for job in self._jobs:
+                job.result()
+        finally:
+            self._jobs.clear()
+            if self._switch_interval is not None:
+                sys.setswitchinterval(self._switch_interval)
+                self._switch_interval = None
+            if self._worker is not None:
+                self._worker.shutdown(wait=True)
+                self._worker = None
+
     def _score(self, keys: list[int], toks: list[torch.Tensor], non_blocking: bool) -> None:
-        samples, starts = zip(*(self._pending.pop(k) for k in keys))
+        self._score_samples(self._take(keys), toks, non_blocking)
+
+    def _take(self, keys: list[int]) -> list[tuple[Sample, int]]:
+        """The pending (sample, prompt length) of buffer keys, removed from the pending set (on
+        the decode thread, so that `poll` counts what still waits)."""
+        return [self._pending.pop(k) for k in keys]
+
+    def _score_samples(self, taken: list[tuple[Sample, int]], toks: list[torch.Tensor],
+                       non_blocking: bool) -> None:
+        samples, starts = zip(*taken)
         prompts = [t[:p].clone() for t, p in zip(toks, starts)]
         responses = [t[p:].clone() for t, p in zip(toks, starts)]
         old, ref = self.score_fn(prompts, responses, list(samples), non_blocking)

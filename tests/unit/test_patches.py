@@ -64,3 +64,40 @@ def test_thd_rope_one_pass_equals_megatron_bit_for_bit():
         if max_s >= rows - 4:
             assert torch.equal(patched(x, cu2, freqs, cp_group=_Group()),
                                original(x, cu2, freqs, cp_group=_Group()))
+
+
+def test_foreach_multi_tensor_ops_match_megatron_local_ones():
+    """Shim 14 (applied on GPU; checked here on CPU tensors): the foreach l2 norm equals
+    Megatron's local one within fp32 rounding, the scale (in place and copy) exactly."""
+    import torch
+    from megatron.core import utils
+
+    from megatron_rl.patches import _foreach_l2_norm, _foreach_scale
+
+    g = torch.Generator().manual_seed(0)
+    grads = [torch.randn(n, generator=g) * s for n, s in ((1000, 1.0), (7, 30.0), (4096, 1e-3))]
+    ours, _ = _foreach_l2_norm(0, None, [grads], False)
+    with torch.device("cpu"):
+        flat = torch.cat(grads).double().norm()
+    assert ours.shape == (1,) and ours.dtype == torch.float32
+    assert abs(float(ours) - float(flat)) <= 1e-6 * float(flat)
+    # Megatron's local norm, with its CUDA result tensor redirected to the CPU
+    real_tensor = torch.tensor
+    try:
+        torch.tensor = lambda *a, **k: real_tensor(*a, **{**k, "device": "cpu"} if k.get(
+            "device") == "cuda" else k)
+        theirs, _ = utils.local_multi_tensor_l2_norm(0, None, [grads], False)
+    finally:
+        torch.tensor = real_tensor
+    assert abs(float(ours) - float(theirs)) <= 1e-6 * float(theirs)
+    for scale in (0.37, 1.0):
+        a = [x.clone() for x in grads]
+        b = [x.clone() for x in grads]
+        _foreach_scale(0, None, [a, a], scale)  # in place (grad clipping)
+        utils.local_multi_tensor_scale(0, None, [b, b], scale)
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+        dst_ours = [torch.zeros(x.shape, dtype=torch.bfloat16) for x in grads]
+        dst_theirs = [torch.zeros(x.shape, dtype=torch.bfloat16) for x in grads]
+        _foreach_scale(0, None, [grads, dst_ours], scale)  # main params -> model params
+        utils.local_multi_tensor_scale(0, None, [grads, dst_theirs], scale)
+        assert all(torch.equal(x, y) for x, y in zip(dst_ours, dst_theirs))

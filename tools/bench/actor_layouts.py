@@ -51,8 +51,9 @@ def batch(n: int, prompt: int, args, vocab: int, seed: int = 0):
     return seqs, starts
 
 
-def profile(policy, seqs, starts, loss_fn, args) -> list:
-    """The ops with the most self time over one logprobs + train pass: [name, ms, calls]."""
+def profile(policy, seqs, starts, loss_fn, args) -> dict:
+    """The ops with the most self time over one logprobs + train pass, [name, ms, calls]: on the
+    device ("device", CUDA only) and on the host ("host": launch overhead and syncs)."""
     import torch
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
@@ -64,9 +65,14 @@ def profile(policy, seqs, starts, loss_fn, args) -> list:
         policy.train_mini_batch(seqs, starts, loss_fn)
         if cuda:
             torch.cuda.synchronize()
-    key = "self_device_time_total" if cuda else "self_cpu_time_total"
-    events = sorted(prof.key_averages(), key=lambda e: getattr(e, key, 0.0), reverse=True)
-    return [[e.key[:80], round(getattr(e, key) / 1e3, 2), e.count] for e in events[: args.profile]]
+    out = {}
+    for name, key in (("device", "self_device_time_total"), ("host", "self_cpu_time_total")):
+        if name == "device" and not cuda:
+            continue
+        events = sorted(prof.key_averages(), key=lambda e: getattr(e, key, 0.0), reverse=True)
+        out[name] = [[e.key[:80], round(getattr(e, key) / 1e3, 2), e.count]
+                     for e in events[: args.profile]]
+    return out
 
 
 def main() -> None:

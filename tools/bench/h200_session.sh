@@ -40,6 +40,9 @@ for stage in "$@"; do
            --recompute none --experts grouped --experts sequential --steps 4 --warmup 2 ;;
     layouts) run "$stage" python3 tools/bench/actor_layouts.py ;;
     layouts_profile) run "$stage" python3 tools/bench/actor_layouts.py --steps 2 --warmup 2 --profile 30 ;;
+    layouts_small) run "$stage" python3 tools/bench/actor_layouts.py --prompt 16 --median 40 --sigma 0.7 \
+           --max-new 400 --steps 3 --warmup 2 --profile 25 ;;
+    sync_probe) run "$stage" python3 tools/bench/sync_probe.py ;;
     layouts_paths) run "$stage" python3 tools/bench/actor_layouts.py --output-path fused --output-path module ;;
     rollout64) run "$stage" python3 tools/bench/rollout.py --prompts 64 --prompt-len 96 --new 512 --skip-hf --profile 25 ;;
     rollout) run "$stage" python3 tools/bench/rollout.py ;;

@@ -2,12 +2,14 @@
 
     python tools/bench/rollout.py                # H200: Qwen3-0.6B shape, 256 x 128 -> +512, bf16
     python tools/bench/rollout.py --quick        # CPU smoke run on a tiny shape
+    python tools/bench/rollout.py --decode-attention triton --decode-attention torch  # A/B
 
 Both generate with sampling (temperature 1, no top-k/top-p) and no stop token, so every sample
 has exactly `--new` tokens; the figure is generated tokens per second after one warm-up call
 (for the built-in engine a full-size call, whose time -- compilation of the decode blocks and
 graph capture included -- is printed as `first_call_s`).
-Prints one JSON line per figure with the baseline beside it.
+Each `--decode-attention` (rollout.decode_attention; repeat it for an A/B on the same model and
+prompts) is one arm with its own engine; prints one JSON line per arm with the baseline beside it.
 """
 
 from __future__ import annotations
@@ -73,7 +75,10 @@ def main() -> None:
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="after timing, profile one more engine call: device-busy vs wall time "
                          "and the N ops with the most device self time (`profile_top`)")
+    ap.add_argument("--decode-attention", action="append", choices=["auto", "triton", "torch"],
+                    help="rollout.decode_attention of an arm (repeatable; default: auto)")
     args = ap.parse_args()
+    arms = args.decode_attention or ["auto"]
     if args.quick:
         args.prompts, args.prompt_len, args.new = 8, 16, 16
     shape = TINY if args.quick else QWEN3_06B
@@ -85,9 +90,12 @@ def main() -> None:
     from megatron_rl.actor.loading import ModelSource, build_module
     from megatron_rl.config import ModelConfig, ParallelConfig
     from megatron_rl.parallel import init_parallel
+    from megatron_rl.rollout.decode_attention import resolve_decode_attention
     from megatron_rl.rollout.engine import SamplingParams
     from megatron_rl.rollout.local import LocalEngine
 
+    for arm in arms:  # refuse an arm that cannot run before anything is built or timed
+        resolve_decode_attention(arm, torch.cuda.is_available())
     torch.manual_seed(0)
     hf_cfg = transformers.Qwen3Config(**shape)
     hf_model = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype).to(dev).eval()
@@ -107,25 +115,31 @@ def main() -> None:
     module, _ = build_module(ModelSource(hf, None, tmp), ps,
                              ModelConfig(dtype="bf16" if dtype == torch.bfloat16 else "fp32"))
     module.eval()
-    engine = LocalEngine(module, ps, pad_id=0, max_batch_size=args.prompts)
     sp = SamplingParams(temperature=1.0, max_new_tokens=args.new, stop_token_ids=[], seed=0,
                         logprobs=True)
-    note("megatron model built; warm-up (a full-size call: compiles the decode blocks and "
-         "captures one CUDA graph per length bucket)")
-    t0 = time.perf_counter()
-    engine.generate(prompts, 1, sp)
-    sync()
-    first_call_s = time.perf_counter() - t0
-    note("timing the built-in engine")
-    t0 = time.perf_counter()
-    samples = engine.generate(prompts, 1, sp)
-    sync()
-    ours = time.perf_counter() - t0
-    assert sum(len(s.response_ids) for s in samples) == total_new
-    ours_tps = total_new / ours
-    note(f"built-in engine: {ours_tps:.0f} tokens/s")
-    prof_out = profile(engine, prompts, sp, args.profile) if args.profile else None
-    del module, engine
+    runs = []
+    for arm in arms:
+        engine = LocalEngine(module, ps, pad_id=0, max_batch_size=args.prompts,
+                             decode_attention=arm)
+        note(f"decode_attention={arm} ({engine._lean.attention}): warm-up (a full-size call: "
+             "compiles the decode blocks and captures one CUDA graph per length bucket)")
+        t0 = time.perf_counter()
+        engine.generate(prompts, 1, sp)
+        sync()
+        first_call_s = time.perf_counter() - t0
+        note("timing the built-in engine")
+        t0 = time.perf_counter()
+        samples = engine.generate(prompts, 1, sp)
+        sync()
+        ours = time.perf_counter() - t0
+        assert sum(len(s.response_ids) for s in samples) == total_new
+        note(f"built-in engine: {total_new / ours:.0f} tokens/s")
+        prof_out = profile(engine, prompts, sp, args.profile) if args.profile else {}
+        runs.append((arm, engine._lean.attention, total_new / ours, first_call_s, prof_out))
+        del engine  # its KV cache and graphs
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    del module
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 
@@ -147,12 +161,15 @@ def main() -> None:
         hf_tps = total_new / hf_s
 
     shape_name = "tiny" if args.quick else "qwen3-0.6b"
-    out.append({"bench": "rollout", "engine": "megatron-rl local", "shape": shape_name,
-                "prompts": args.prompts, "prompt_len": args.prompt_len, "new_tokens": args.new,
-                "tokens_per_s": round(ours_tps, 1), "baseline_transformers_tokens_per_s":
-                round(hf_tps, 1) if hf_tps else None,
-                "ratio": round(ours_tps / hf_tps, 2) if hf_tps else None, "device": dev,
-                "first_call_s": round(first_call_s, 2), **(prof_out or {})})
+    for arm, used, ours_tps, first_call_s, prof_out in runs:
+        out.append({"bench": "rollout", "engine": "megatron-rl local", "shape": shape_name,
+                    "prompts": args.prompts, "prompt_len": args.prompt_len,
+                    "new_tokens": args.new, "decode_attention": arm,
+                    "decode_attention_used": used, "tokens_per_s": round(ours_tps, 1),
+                    "vs_first_arm": round(ours_tps / runs[0][2], 3),
+                    "baseline_transformers_tokens_per_s": round(hf_tps, 1) if hf_tps else None,
+                    "ratio": round(ours_tps / hf_tps, 2) if hf_tps else None, "device": dev,
+                    "first_call_s": round(first_call_s, 2), **prof_out})
     for o in out:
         print(json.dumps(o), flush=True)
 

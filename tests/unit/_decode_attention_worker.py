@@ -1,0 +1,81 @@
+"""Runs rollout/decode_attention.py's Triton kernels under the Triton interpreter, on CPU:
+`TRITON_INTERPRET=1 python _decode_attention_worker.py '<json list of cases>'` prints one JSON
+line per case. A separate process because triton reads TRITON_INTERPRET when a kernel is defined
+(at import). Used by test_decode_attention.py.
+
+Kernel case {"dtype", "B", "g", "per", "d", "L", "kv_len", "splits", "strided"}: the kernel
+against `decode_attention_reference` -> max_diff, scale (max |reference|), cache_equal (both
+caches after the write), nan_safe (NaN in every cache entry from pos on changes nothing: keys
+beyond pos are never read, the one at pos is overwritten). Decoder case {"decoder": fused}: the
+lean decoder of a tiny fp32 Qwen3 on the kernel vs on the torch path (greedy, continuous
+batching) -> tokens_equal, max_lp_diff.
+"""
+
+import json
+import sys
+import tempfile
+
+import torch
+
+from megatron_rl.rollout.decode_attention import decode_attention, decode_attention_reference
+
+
+def kernel_case(c: dict) -> dict:
+    torch.manual_seed(0)
+    dtype = getattr(torch, c["dtype"])
+    B, g, per, d, L, kv_len = c["B"], c["g"], c["per"], c["d"], c["L"], c["kv_len"]
+    q = torch.randn(B, g * per, d).to(dtype)
+    if c["strided"]:  # k/v as views of a fused projection (the generic decode path's v)
+        kv = torch.randn(B, g, 3, d).to(dtype)
+        k_new, v_new = kv[:, :, 0], kv[:, :, 2]
+    else:
+        k_new, v_new = torch.randn(B, g, d).to(dtype), torch.randn(B, g, d).to(dtype)
+    k_cache, v_cache = torch.randn(B, g, L, d).to(dtype), torch.randn(B, g, L, d).to(dtype)
+    pos = torch.randint(0, kv_len, (B,))
+    pos[0], pos[-1] = 0, kv_len - 1
+    kc, vc = k_cache.clone(), v_cache.clone()
+    scale = d ** -0.5
+    ref = decode_attention_reference(q, k_new, v_new, k_cache, v_cache, pos, scale, kv_len)
+    out = decode_attention(q, k_new, v_new, kc, vc, pos, scale, kv_len, splits=c["splits"])
+    kn, vn = kc.clone(), vc.clone()
+    for b in range(B):
+        kn[b, :, int(pos[b]):] = float("nan")
+        vn[b, :, int(pos[b]):] = float("nan")
+    again = decode_attention(q, k_new, v_new, kn, vn, pos, scale, kv_len, splits=c["splits"])
+    return {"max_diff": float((out.float() - ref.float()).abs().max()),
+            "scale": float(ref.float().abs().max()),
+            "cache_equal": torch.equal(kc, k_cache) and torch.equal(vc, v_cache),
+            "nan_safe": torch.equal(again, out)}
+
+
+def decoder_case(c: dict) -> dict:
+    from helpers import make_tiny_hf
+
+    from megatron_rl.actor.loading import ModelSource, build_module
+    from megatron_rl.config import ModelConfig, ParallelConfig
+    from megatron_rl.parallel import init_parallel
+    from megatron_rl.rollout.engine import SamplingParams
+    from megatron_rl.rollout.local import LocalEngine
+
+    ps = init_parallel(ParallelConfig())
+    hf_dir = make_tiny_hf("qwen3", tempfile.mkdtemp(), seed=5)
+    hf = json.load(open(f"{hf_dir}/config.json"))
+    module, _ = build_module(ModelSource(hf, None, hf_dir), ps, ModelConfig(dtype="fp32"))
+    engines = [LocalEngine(module, ps, pad_id=0, max_batch_size=3, decode_attention="torch")
+               for _ in range(2)]
+    for e in engines:
+        e._lean.fused_blocks = c["decoder"]
+    engines[1]._lean.attention = "triton"  # what auto picks on CUDA; the interpreter runs it here
+    prompts = [list(range(3, 3 + n)) for n in (9, 2, 70, 1, 30)]
+    sp = SamplingParams(temperature=0.0, max_new_tokens=8)
+    want, got = (e.generate(prompts, 1, sp) for e in engines)
+    assert engines[1]._lean._blocks == c["decoder"]
+    return {"tokens_equal": [s.response_ids for s in got] == [s.response_ids for s in want],
+            "max_lp_diff": max(float((a.response_logprobs - b.response_logprobs).abs().max())
+                               for a, b in zip(got, want))}
+
+
+if __name__ == "__main__":
+    for case in json.loads(sys.argv[1]):
+        print(json.dumps(decoder_case(case) if "decoder" in case else kernel_case(case)),
+              flush=True)
