@@ -1,7 +1,10 @@
-"""Shared test helpers: tiny random HF checkpoints and two-rank torchrun launches.
+"""Shared test helpers: tiny random HF checkpoints, two-rank torchrun launches, and CPU runs of
+the RL loop through the CLI.
 
     path = make_tiny_hf("qwen3_moe", tmp_path / "hf")           # config.json + model.safetensors
     proc = run_torchrun(["tests/distributed/_worker.py", "arg"])  # 2 gloo ranks, own free port
+    out = train_cli(tiny_rl(max_new_tokens=4) + [DENSE_REWARD, f"trainer.output_dir={d}"], cwd)
+    rows = metrics_rows(d)                                       # metrics.jsonl, one dict a line
 
 `run_torchrun` runs `python -m torch.distributed.run --nproc_per_node N --standalone` (its own free port)
 with OMP_NUM_THREADS=1 and HF_HUB_OFFLINE=1 from the repository root, and raises with the
@@ -10,6 +13,7 @@ captured output if the job fails.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -18,6 +22,35 @@ import sys
 import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# A dense reward: the tiny random model's exact-match reward is 0 everywhere, and an update
+# without a learning signal is skipped (no actor/* metrics to compare).
+DENSE_REWARD = f"reward.name={os.path.join(REPO, 'tests', 'e2e', 'toy_rewards.py')}:digit_fraction"
+
+
+def tiny_rl(max_new_tokens: int = 4, lr: float = 1e-3) -> list[str]:
+    """Overrides of a seconds-long CPU RL run: the tiny built-in model, 4 prompts x 4 samples."""
+    return [
+        "model.tiny.hidden_size=32", "model.tiny.intermediate_size=64",
+        "model.tiny.num_hidden_layers=2", "model.tiny.head_dim=8", "data.train_batch_size=4",
+        "data.num_train_examples=64", "data.num_val_examples=8", "rollout.n=4",
+        f"rollout.max_new_tokens={max_new_tokens}", "trainer.num_eval_examples=8",
+        "trainer.progress_bar=false", "trainer.tensorboard=false", f"optimizer.lr={lr:g}",
+    ]
+
+
+def train_cli(args: list[str], cwd, timeout: int = 600) -> subprocess.CompletedProcess:
+    """`python -m megatron_rl.cli train ARGS` in a child process (one torch thread)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
+    return subprocess.run([sys.executable, "-m", "megatron_rl.cli", "train", *args], cwd=cwd,
+                          env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def metrics_rows(run_dir, drop_prefixes: tuple[str, ...] = ()) -> list[dict]:
+    """The run's metrics.jsonl rows, without the keys that start with `drop_prefixes`."""
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [{k: v for k, v in json.loads(line).items() if not k.startswith(drop_prefixes)}
+                for line in f]
 
 _COMMON = dict(
     vocab_size=128,

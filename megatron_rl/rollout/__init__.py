@@ -81,6 +81,10 @@ def check_engine(rollout_cfg, kind: ModelKind, *, darts: bool = False) -> str:
     if darts and not spec.darts:
         raise ValueError(f"config field `rollout.darts.enabled`: DARTS pools need grouped "
                          f"generation, which rollout.engine={name} does not implement (local does)")
+    if name != "local" and getattr(rollout_cfg, "decode_attention", "auto") != "auto":
+        raise ValueError(f"config field `rollout.decode_attention`: "
+                         f"{rollout_cfg.decode_attention!r} selects the built-in engine's decode "
+                         f"attention; rollout.engine={name} does its own. Leave it at auto")
     if importlib.util.find_spec(spec.module) is None:
         raise ValueError(f"config field `rollout.engine`: the {name!r} engine is not implemented "
                          f"in this version of megatron-rl ({spec.module} is missing)")

@@ -3,39 +3,22 @@ the same run as a separate forward (recompute) -- every metrics row, the stored 
 with one forward per step fewer; refused where it would not be exact; a step whose update is
 skipped (no learning signal) still fills them for its metrics and the store."""
 
-import json
-import os
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
 
 from megatron_rl.actor.learner import check_old_logprobs, old_logprobs_from_update
 from megatron_rl.config import RLConfig
+from tests.helpers import DENSE_REWARD, metrics_rows, tiny_rl
+from tests.helpers import train_cli as _train
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-BASE = [
-    "model.tiny.hidden_size=32", "model.tiny.intermediate_size=64", "model.tiny.num_hidden_layers=2",
-    "model.tiny.head_dim=8", "data.train_batch_size=4", "data.num_train_examples=64",
-    "data.num_val_examples=8", "rollout.n=4", "rollout.max_new_tokens=6",
-    "trainer.num_eval_examples=8", "trainer.progress_bar=false", "trainer.tensorboard=false",
-    "optimizer.lr=1e-2", "trainer.total_steps=3",
-]
-DENSE = f"reward.name={os.path.join(REPO, 'tests', 'e2e', 'toy_rewards.py')}:digit_fraction"
+BASE = tiny_rl(max_new_tokens=6, lr=1e-2) + ["trainer.total_steps=3"]
+DENSE = DENSE_REWARD
 WALL = ("time/", "throughput/")
 
 
-def _train(args, cwd):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
-    return subprocess.run([sys.executable, "-m", "megatron_rl.cli", "train", *args], cwd=cwd,
-                          env=env, capture_output=True, text=True, timeout=600)
-
-
 def _rows(run_dir):
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [{k: v for k, v in json.loads(line).items() if not k.startswith(WALL)}
-                for line in f]
+    return metrics_rows(run_dir, drop_prefixes=WALL)
 
 
 def _stored_old(run_dir, step):

@@ -8,26 +8,14 @@
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-BASE = [
-    "model.tiny.hidden_size=32", "model.tiny.intermediate_size=64", "model.tiny.num_hidden_layers=2",
-    "model.tiny.head_dim=8", "data.train_batch_size=4", "data.num_train_examples=64",
-    "data.num_val_examples=8", "rollout.n=4", "rollout.max_new_tokens=4",
-    "trainer.num_eval_examples=8", "trainer.progress_bar=false", "trainer.tensorboard=false",
-    "optimizer.lr=1e-3",
-]
+from tests.helpers import DENSE_REWARD, REPO, metrics_rows, tiny_rl
+from tests.helpers import train_cli as train
 
-
-def train(args, cwd):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
-    out = subprocess.run([sys.executable, "-m", "megatron_rl.cli", "train", *args], cwd=cwd,
-                         env=env, capture_output=True, text=True, timeout=600)
-    return out
+BASE = tiny_rl(max_new_tokens=4, lr=1e-3)
 
 
 def stored(run_dir):
@@ -39,14 +27,8 @@ def stored(run_dir):
     return steps, [len(reader.read_step(s).samples) for s in steps], reader
 
 
-def rows(run_dir):
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
-
-
-# A dense reward: the tiny random model's exact-match reward is 0 everywhere, and an update
-# without a learning signal is skipped (no actor/* metrics to compare).
-DENSE = [f"reward.name={os.path.join(REPO, 'tests', 'e2e', 'toy_rewards.py')}:digit_fraction"]
+rows = metrics_rows
+DENSE = [DENSE_REWARD]
 
 
 def test_resume_reproduces_uninterrupted_run(tmp_path):
