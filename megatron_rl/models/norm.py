@@ -61,8 +61,21 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     return (y * weight.float()).to(x.dtype)
 
 
+RECOMPILE_LIMIT = 64
+"""Compiled variants of the fused norm that dynamo keeps (its default is 8, then it runs the
+function eagerly). Variants multiply: grad mode on / off, hidden states and q/k views, and
+guards on a view's base (a micro-batch of one row specializes its size-1 dim): a padded and a
+packed pass with log-probs and a train step reach 8 (counted with dynamo's eager backend on
+CPU). On the H200 `tools/bench/actor_layouts.py`'s packed layout, profiled after its padded one
+in the same process, ran the norms' eager ops (`aten::mean` x 338) where the padded one ran the
+compiled kernel."""
+
+
 @functools.cache
 def _fused_rms_norm():
+    import torch._dynamo.config as dynamo_config
+
+    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, RECOMPILE_LIMIT)
     return torch.compile(rms_norm_reference, dynamic=True)
 
 

@@ -120,6 +120,7 @@ def main() -> None:
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     results = {}
     for path, layout in [(p, lay) for p in args.output_path for lay in ("padded", "packed")]:
+        torch._dynamo.reset()  # each layout compiles afresh, as in a run of its own
         torch.manual_seed(0)
         module, tcfg = build_module(src, ps, mcfg, packed=layout == "packed")
         policy = build_policy(module, tcfg, ps, OptimizerConfig(lr=1e-7), 100,
