@@ -165,6 +165,9 @@ def main() -> None:
         if name not in args.arms.split(","):
             continue
         run_dir = f"{out}/{name}"
+        import torch._dynamo
+
+        torch._dynamo.reset()  # every arm compiles afresh (no arm inherits another's variants)
         cfg = load_config(RLConfig, None, [*common, *extra, f"trainer.output_dir={run_dir}"],
                           defaults=algorithm_defaults)
         result = train.run(cfg)
