@@ -7,8 +7,8 @@ when CUDA is available. Three shims apply on GPU too: 10 covers a missing Transf
 unchanged); 14 applies on GPU only (the grad norm without a host sync per tensor). Each patch names the Megatron function
 or module it covers; all were
 written for megatron-core 0.16.1 (`PINNED_MEGATRON_VERSION`), and `check_patch_targets()` (run by
-the tests) fails loudly when a version bump moves or removes a target. The file is over 450
-lines on purpose: every shim stays here, so that the numbered list below, the version pin and
+the tests) fails loudly when a version bump moves or removes a target. Why over 450 lines: every
+shim stays in this one file, so that the numbered list below, the version pin and
 `check_patch_targets()` cover all of them.
 
 The list (docs/design.md, "Megatron-Core on CPU"):
