@@ -461,13 +461,15 @@ class RolloutConfig:
     keep_decode_graphs: bool = True
     """Built-in engine on CUDA: keep the KV cache and the captured decode CUDA graphs between
     rollouts (no re-capture each step; the cache's memory stays held while training). False
-    frees both at every engine.sleep(). No effect without CUDA graphs (CPU)."""
+    frees both at every engine.sleep(). No effect without CUDA graphs (CPU); false is refused
+    with an external engine."""
 
     decode_attention: Literal["auto", "triton", "torch"] = "auto"
     """Built-in engine: each decode step's KV-cache write + attention (rollout/decode_attention.py).
     auto (the fused Triton flash-decoding kernel on CUDA when triton is installed and head_dim
     is a power of two in 16..256, else torch) | triton (that kernel; refused where it cannot
-    run) | torch (index writes + batched matmuls over the length bucket, the reference)."""
+    run) | torch (index writes + batched matmuls over the length bucket, the reference).
+    Other than auto is refused with an external or the diffusion engine."""
 
     val_temperature: float = 0.0
     """Temperature used for evaluation (0 = greedy pass@1)."""

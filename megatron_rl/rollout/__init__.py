@@ -85,6 +85,10 @@ def check_engine(rollout_cfg, kind: ModelKind, *, darts: bool = False) -> str:
         raise ValueError(f"config field `rollout.decode_attention`: "
                          f"{rollout_cfg.decode_attention!r} selects the built-in engine's decode "
                          f"attention; rollout.engine={name} does its own. Leave it at auto")
+    if name != "local" and not getattr(rollout_cfg, "keep_decode_graphs", True):
+        raise ValueError(f"config field `rollout.keep_decode_graphs`: false applies to the "
+                         f"built-in engine's decode graphs; rollout.engine={name} has none of "
+                         f"ours. Leave it at true")
     if importlib.util.find_spec(spec.module) is None:
         raise ValueError(f"config field `rollout.engine`: the {name!r} engine is not implemented "
                          f"in this version of megatron-rl ({spec.module} is missing)")

@@ -94,6 +94,8 @@ def test_triton_is_refused_on_cpu_and_auto_torch_decode_as_before(single_rank, t
     for engine in ("vllm", "sglang"):  # an external engine does its own attention
         with pytest.raises(ValueError, match="rollout.decode_attention"):
             check_engine(RolloutConfig(engine=engine, decode_attention="torch"), "autoregressive")
+        with pytest.raises(ValueError, match="rollout.keep_decode_graphs"):
+            check_engine(RolloutConfig(engine=engine, keep_decode_graphs=False), "autoregressive")
     prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [11, 12], [13, 14, 15], [3], [20, 21, 22, 23]]
     sp = SamplingParams(temperature=0.0, max_new_tokens=9)
     want = LocalEngine(tiny, single_rank, pad_id=0, decoder="megatron").generate(prompts, 1, sp)
