@@ -382,7 +382,10 @@ def _foreach_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
 def _foreach_scale(chunk_size, noop_flag, tensor_lists, scale):
     """amp_C.multi_tensor_scale's contract, dst = src * scale, in foreach launches: in place when
     src and dst are the same tensors (grad clipping), a plain copy at scale 1 (the fp32 main
-    params back into the bf16 model params), else Megatron's per-tensor loop (no extra memory)."""
+    params back into the bf16 model params), else Megatron's own per-tensor loop (no extra
+    memory)."""
+    from megatron.core import utils
+
     src, dst = tensor_lists[0], tensor_lists[1]
     if not src:
         return
@@ -391,8 +394,7 @@ def _foreach_scale(chunk_size, noop_flag, tensor_lists, scale):
     elif scale == 1.0:
         torch._foreach_copy_(dst, src)
     else:
-        for a, b in zip(src, dst):
-            b.copy_(a * scale)
+        utils.local_multi_tensor_scale(chunk_size, noop_flag, tensor_lists, scale)
 
 
 def _patch_multi_tensor_ops() -> None:

@@ -81,11 +81,11 @@ def check_engine(rollout_cfg, kind: ModelKind, *, darts: bool = False) -> str:
     if darts and not spec.darts:
         raise ValueError(f"config field `rollout.darts.enabled`: DARTS pools need grouped "
                          f"generation, which rollout.engine={name} does not implement (local does)")
-    if name != "local" and getattr(rollout_cfg, "decode_attention", "auto") != "auto":
+    if name != "local" and rollout_cfg.decode_attention != "auto":
         raise ValueError(f"config field `rollout.decode_attention`: "
                          f"{rollout_cfg.decode_attention!r} selects the built-in engine's decode "
                          f"attention; rollout.engine={name} does its own. Leave it at auto")
-    if name != "local" and not getattr(rollout_cfg, "keep_decode_graphs", True):
+    if name != "local" and not rollout_cfg.keep_decode_graphs:
         raise ValueError(f"config field `rollout.keep_decode_graphs`: false applies to the "
                          f"built-in engine's decode graphs; rollout.engine={name} has none of "
                          f"ours. Leave it at true")

@@ -51,6 +51,17 @@ def batch(n: int, prompt: int, args, vocab: int, seed: int = 0):
     return seqs, starts
 
 
+def add_batch_args(ap, prompt: int = 96, median: float = 128, sigma: float = 1.0,
+                   max_new: int = 512) -> None:
+    """The batch's arguments (`batch` reads them), with the defaults of the calling bench."""
+    ap.add_argument("--num-seqs", type=int, default=64)
+    ap.add_argument("--prompt", type=int, default=prompt)
+    ap.add_argument("--max-new", type=int, default=max_new)
+    ap.add_argument("--median", type=float, default=median)
+    ap.add_argument("--sigma", type=float, default=sigma)
+    ap.add_argument("--uniform", action="store_true")
+
+
 def profile(policy, seqs, starts, loss_fn, args) -> dict:
     """The ops with the most self time over one logprobs + train pass, [name, ms, calls]: on the
     device ("device", CUDA only) and on the host ("host": launch overhead and syncs)."""
@@ -79,12 +90,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--tiny", action="store_true")
-    ap.add_argument("--num-seqs", type=int, default=64)
-    ap.add_argument("--prompt", type=int, default=96)
-    ap.add_argument("--max-new", type=int, default=512)
-    ap.add_argument("--median", type=float, default=128)
-    ap.add_argument("--sigma", type=float, default=1.0)
-    ap.add_argument("--uniform", action="store_true")
+    add_batch_args(ap)
     ap.add_argument("--micro-batch-tokens", type=int, default=16384)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=2)

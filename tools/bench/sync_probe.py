@@ -24,7 +24,7 @@ import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from actor_layouts import batch  # noqa: E402  (this folder is on the path)
+from actor_layouts import add_batch_args, batch  # noqa: E402  (this folder is on the path)
 from rl_step import QWEN3_06B  # noqa: E402
 
 
@@ -64,12 +64,7 @@ def probe(name: str, fn, top: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--num-seqs", type=int, default=64)
-    ap.add_argument("--prompt", type=int, default=16)
-    ap.add_argument("--median", type=float, default=40)
-    ap.add_argument("--sigma", type=float, default=0.7)
-    ap.add_argument("--max-new", type=int, default=400)
-    ap.add_argument("--uniform", action="store_true")
+    add_batch_args(ap, prompt=16, median=40, sigma=0.7, max_new=400)
     ap.add_argument("--layout", choices=["padded", "packed"], default="padded")
     ap.add_argument("--top", type=int, default=12)
     args = ap.parse_args()
