@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
-from megatron_rl.models.varlen import varlen_applies, varlen_attention
+from megatron_rl.models.varlen import per_document_attention, varlen_applies, varlen_attention
 
 _CAUSAL_TYPES = (AttnMaskType.causal, AttnMaskType.padding_causal, AttnMaskType.causal_bottom_right)
 
@@ -205,8 +205,8 @@ class FlexAttention(_CoreAttentionBase):
     mask_mod is materialized as a dense [b, h|1, sq, sk] mask and run through SDPA (the CPU
     path is the reference, GPU runs the compiled flex kernel).
     On CUDA in bf16 / fp16, packed batches without a BlockMask go through torch's varlen flash
-    kernel instead (models/varlen.py); `varlen = False` on an instance keeps the flex path (the
-    reference the GPU test compares against).
+    kernel instead, on CPU through one SDPA per document (models/varlen.py); `varlen = False` on
+    an instance keeps the flex / dense-mask path (the reference the tests compare against).
     """
 
     varlen: bool = True
@@ -269,9 +269,13 @@ class FlexAttention(_CoreAttentionBase):
                 )
             if query.dim() == 4:  # [t, 1, h, d] if the caller did not squeeze
                 query, key, value = query.squeeze(1), key.squeeze(1), value.squeeze(1)
-            if attention_mask is None and self.varlen and varlen_applies(query, packed_seq_params):
-                return varlen_attention(query, key, value, packed_seq_params, causal,
-                                        self.softmax_scale)
+            if attention_mask is None and self.varlen:
+                if varlen_applies(query, packed_seq_params):
+                    return varlen_attention(query, key, value, packed_seq_params, causal,
+                                            self.softmax_scale)
+                if query.device.type == "cpu":
+                    return per_document_attention(query, key, value, packed_seq_params, causal,
+                                                  self.softmax_scale)
             query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
         sq, b, hq, d = query.shape
         sk = key.shape[0]

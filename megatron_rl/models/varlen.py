@@ -1,12 +1,18 @@
-"""Packed (THD) documents through torch's varlen flash attention: the CUDA fast path of
-`attention.FlexAttention` for bf16 / fp16 packed batches without a BlockMask.
+"""Packed (THD) documents without a mask: the fast paths of `attention.FlexAttention` for
+packed batches that have no BlockMask.
 
-    if varlen_applies(query, packed_seq_params):
+    if varlen_applies(query, packed_seq_params):   # CUDA, bf16 / fp16
         out = varlen_attention(query, key, value, packed_seq_params, causal, scale)  # [t, hq*d]
+    elif query.device.type == "cpu":
+        out = per_document_attention(query, key, value, packed_seq_params, causal, scale)
 
-No mask is built and nothing is compiled per packed length. The compiled flex path stays the
-reference (tests/unit/test_models_attention.py compares them on CUDA). torch's `varlen_attn`
-changed its arguments across releases (GQA and causality): both spellings are handled.
+No mask is built and nothing is compiled per packed length. On CUDA, torch's varlen flash
+kernel; the compiled flex path stays its reference (tests/unit/test_models_attention.py compares
+them on CUDA). torch's `varlen_attn` changed its arguments across releases (GQA and causality):
+both spellings are handled. On CPU, one SDPA per document: flex_attention has no compiled CPU
+kernel (its eager fallback evaluates the mask per score, ~50 s for one old-log-prob pass of a
+64-sequence batch on the tiny model) and a dense block-diagonal mask costs t^2 memory; the
+tests compare it with that dense mask.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.nn.functional as F
 
 
 def varlen_applies(query: torch.Tensor, p) -> bool:
@@ -57,6 +64,40 @@ def varlen_attention(query, key, value, p, causal: bool, scale: float) -> torch.
             kwargs["is_causal"] = True
     out = varlen_attn(query, key, value, cu, cu, n, n, scale=scale, **kwargs)
     return out.reshape(query.shape[0], -1)
+
+
+def per_document_attention(query, key, value, p, causal: bool, scale: float) -> torch.Tensor:
+    """Packed documents, each attending only within itself, one SDPA per document: [t, h, d] in,
+    [t, hq * d] out. Boundaries from `cu_seqlens_q/kv`, or their `_padded` variants when set;
+    causal is aligned top-left within a document (key i <= query i), as flex's document mask.
+    Rows with no key to attend to (past the last boundary, or a document without keys) attend to
+    every key, as the dense-mask path does."""
+    cu_q = p.cu_seqlens_q_padded if p.cu_seqlens_q_padded is not None else p.cu_seqlens_q
+    cu_k = p.cu_seqlens_kv_padded if p.cu_seqlens_kv_padded is not None else p.cu_seqlens_kv
+    bq, bk = cu_q.tolist(), cu_k.tolist()
+    if len(bq) != len(bk):
+        raise ValueError(f"argument `packed_seq_params`: {len(bq) - 1} query documents but "
+                         f"{len(bk) - 1} key documents")
+    t, hq, d = query.shape
+    gqa = hq != key.shape[1]
+
+    def attend(q, k, v, is_causal):  # [n, h, d] -> [n, hq * d]
+        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1),
+                                             v.transpose(0, 1), is_causal=is_causal,
+                                             scale=scale, enable_gqa=gqa)
+        return out.transpose(0, 1).reshape(q.shape[0], hq * d)
+
+    outs = []
+    for q0, q1, k0, k1 in zip(bq[:-1], bq[1:], bk[:-1], bk[1:]):
+        if q1 == q0:
+            continue
+        if k1 == k0:  # no keys of its own: every key (the dense path's convention)
+            outs.append(attend(query[q0:q1], key, value, False))
+        else:
+            outs.append(attend(query[q0:q1], key[k0:k1], value[k0:k1], causal))
+    if bq[-1] < t:  # rows past the last document
+        outs.append(attend(query[bq[-1]:], key, value, False))
+    return torch.cat(outs) if outs else query.new_zeros(t, hq * d)
 
 
 @functools.cache

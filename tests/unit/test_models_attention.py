@@ -121,13 +121,17 @@ def _per_document(q, k, v, cu):
     return torch.cat(outs).reshape(-1, HQ * D)
 
 
-def test_flex_packed_documents_forward_and_cpu_gradient():
+@pytest.mark.parametrize("per_document", [True, False])
+def test_flex_packed_documents_forward_and_cpu_gradient(per_document):
+    """CPU packed batches: one SDPA per document (the default) and, with `varlen = False`, the
+    flex kernel (eager on CPU, no grad) / dense mask + SDPA (grad) -- both against the naive
+    per-document reference, values and gradients."""
     attn = FlexAttention(_config(), 1, AttnMaskType.causal)
+    attn.varlen = per_document
     q, k, v, cu, params = _packed([5, 9, 2])
-    with torch.no_grad():  # the flex kernel (eager on CPU)
+    with torch.no_grad():
         got = attn(q.squeeze(1), k.squeeze(1), v.squeeze(1), None, packed_seq_params=params)
     torch.testing.assert_close(got, _per_document(q, k, v, cu))
-    # gradient path (dense mask + SDPA on CPU) gives the same values and gradients
     q, k, v, cu, params = _packed([5, 9, 2], grad=True)
     out = attn(q.squeeze(1), k.squeeze(1), v.squeeze(1), None, packed_seq_params=params)
     out.square().sum().backward()
@@ -137,6 +141,34 @@ def test_flex_packed_documents_forward_and_cpu_gradient():
     _per_document(q, k, v, cu).square().sum().backward()
     for got_g, x in zip(grads, (q, k, v)):
         torch.testing.assert_close(got_g, x.grad)
+
+
+@pytest.mark.parametrize("mask_type", [AttnMaskType.causal, AttnMaskType.no_mask])
+def test_per_document_path_equals_dense_mask_path(mask_type):
+    """The CPU per-document path against the dense block-diagonal mask path (`varlen = False`)
+    where they could part: `_padded` boundaries, rows past the last document (they attend to
+    every key), an empty document, bidirectional documents; values and gradients."""
+    cfg = _config()
+    fast, ref = FlexAttention(cfg, 1, mask_type), FlexAttention(cfg, 1, mask_type)
+    ref.varlen = False
+    cu = torch.tensor([0, 4, 4, 11, 14], dtype=torch.int32)
+    cu_pad = torch.tensor([0, 6, 6, 12, 16], dtype=torch.int32)
+    for params in (
+        PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                        max_seqlen_q=7, max_seqlen_kv=7),
+        PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                        cu_seqlens_q_padded=cu_pad, cu_seqlens_kv_padded=cu_pad,
+                        max_seqlen_q=7, max_seqlen_kv=7),
+    ):
+        results = []
+        for attn in (fast, ref):
+            leaves = _qkv(19, 19, 1, seed=7, grad=True)
+            out = attn(*(x.squeeze(1) for x in leaves), None, packed_seq_params=params)
+            out.square().sum().backward()
+            results.append([out.detach(), *(x.grad for x in leaves)])
+            assert all(g is not None and g.abs().sum() > 0 for g in results[-1][1:])
+        for got, want in zip(*results):
+            torch.testing.assert_close(got, want)
 
 
 @pytest.mark.gpu
