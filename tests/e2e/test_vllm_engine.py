@@ -175,10 +175,11 @@ def _generate_then_abort(engine, wait_s: float) -> list:
 
 def test_abort_returns_partial_samples(setup):
     engine = setup[0]
-    # One run of this module in four (2-core dev machine, 2026-12-04; also once in CI) saw every
-    # request run to its 480 tokens after the abort; the cause, on the server side or ours, was
-    # not found. A second attempt, with the requests further into decoding, must then abort all.
-    for attempt, wait_s in enumerate((1.0, 2.0)):
+    # Once warm, vLLM's CPU server runs all 16 requests to their 480 tokens in ~2.7 s (2-core dev
+    # machine, 2026-12-04: 15.9, 5.7, 2.7 s for three calls in a row), so an abort sent 1 s after
+    # they started sometimes found them finished (one run in four, also once in CI). Abort soon
+    # after they are all in flight, and on a second attempt at once.
+    for attempt, wait_s in enumerate((0.25, 0.0)):
         samples = _generate_then_abort(engine, wait_s)
         aborted = [s for s in samples if s.finish_reason == "abort"]
         if len(aborted) == 16 or attempt == 1:
