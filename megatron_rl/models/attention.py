@@ -203,7 +203,8 @@ class FlexAttention(_CoreAttentionBase):
     - `attention_mask` a bool tensor (True = masked out) or None: as in `SDPAttention`.
     torch has no flex_attention backward on CPU: there, when gradients are needed, the same
     mask_mod is materialized as a dense [b, h|1, sq, sk] mask and run through SDPA (the CPU
-    path is the reference, GPU runs the compiled flex kernel).
+    path is the reference, GPU runs the compiled flex kernel); packed batches without a
+    BlockMask skip both on CPU (one SDPA per document, below).
     On CUDA in bf16 / fp16, packed batches without a BlockMask go through torch's varlen flash
     kernel instead, on CPU through one SDPA per document (models/varlen.py); `varlen = False` on
     an instance keeps the flex / dense-mask path (the reference the tests compare against).
