@@ -33,7 +33,12 @@ import torch.nn.functional as F
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
-from megatron_rl.models.varlen import per_document_attention, varlen_applies, varlen_attention
+from megatron_rl.models.varlen import (
+    document_boundaries,
+    per_document_attention,
+    varlen_applies,
+    varlen_attention,
+)
 
 _CAUSAL_TYPES = (AttnMaskType.causal, AttnMaskType.padding_causal, AttnMaskType.causal_bottom_right)
 
@@ -203,8 +208,7 @@ class FlexAttention(_CoreAttentionBase):
     - `attention_mask` a bool tensor (True = masked out) or None: as in `SDPAttention`.
     torch has no flex_attention backward on CPU: there, when gradients are needed, the same
     mask_mod is materialized as a dense [b, h|1, sq, sk] mask and run through SDPA (the CPU
-    path is the reference, GPU runs the compiled flex kernel); packed batches without a
-    BlockMask skip both on CPU (one SDPA per document, below).
+    path is the reference, GPU runs the compiled flex kernel).
     On CUDA in bf16 / fp16, packed batches without a BlockMask go through torch's varlen flash
     kernel instead, on CPU through one SDPA per document (models/varlen.py); `varlen = False` on
     an instance keeps the flex / dense-mask path (the reference the tests compare against).
@@ -220,10 +224,7 @@ class FlexAttention(_CoreAttentionBase):
             kv = attention_mask.kv_num_blocks
             return attention_mask.mask_mod, kv.shape[0], kv.shape[1]
         if packed_seq_params is not None:
-            p = packed_seq_params
-            cu_q = p.cu_seqlens_q_padded if p.cu_seqlens_q_padded is not None else p.cu_seqlens_q
-            cu_k = p.cu_seqlens_kv_padded if p.cu_seqlens_kv_padded is not None else p.cu_seqlens_kv
-            cu_q, cu_k = cu_q.to(device), cu_k.to(device)
+            cu_q, cu_k = (cu.to(device) for cu in document_boundaries(packed_seq_params))
             doc_q, doc_k = _document_ids(cu_q, sq), _document_ids(cu_k, sk)
             pos_q = torch.arange(sq, device=device) - cu_q[doc_q.clamp(min=0)]
             pos_k = torch.arange(sk, device=device) - cu_k[doc_k.clamp(min=0)]

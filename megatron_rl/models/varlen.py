@@ -66,14 +66,21 @@ def varlen_attention(query, key, value, p, causal: bool, scale: float) -> torch.
     return out.reshape(query.shape[0], -1)
 
 
+def document_boundaries(p) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cu_q, cu_k) of packed params: the `_padded` variants when set (documents then include
+    their padding), else cu_seqlens_q / cu_seqlens_kv."""
+    cu_q = p.cu_seqlens_q_padded if p.cu_seqlens_q_padded is not None else p.cu_seqlens_q
+    cu_k = p.cu_seqlens_kv_padded if p.cu_seqlens_kv_padded is not None else p.cu_seqlens_kv
+    return cu_q, cu_k
+
+
 def per_document_attention(query, key, value, p, causal: bool, scale: float) -> torch.Tensor:
     """Packed documents, each attending only within itself, one SDPA per document: [t, h, d] in,
     [t, hq * d] out. Boundaries from `cu_seqlens_q/kv`, or their `_padded` variants when set;
     causal is aligned top-left within a document (key i <= query i), as flex's document mask.
     Rows with no key to attend to (past the last boundary, or a document without keys) attend to
     every key, as the dense-mask path does."""
-    cu_q = p.cu_seqlens_q_padded if p.cu_seqlens_q_padded is not None else p.cu_seqlens_q
-    cu_k = p.cu_seqlens_kv_padded if p.cu_seqlens_kv_padded is not None else p.cu_seqlens_kv
+    cu_q, cu_k = document_boundaries(p)
     bq, bk = cu_q.tolist(), cu_k.tolist()
     if len(bq) != len(bk):
         raise ValueError(f"argument `packed_seq_params`: {len(bq) - 1} query documents but "
