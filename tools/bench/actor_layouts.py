@@ -64,14 +64,16 @@ def add_batch_args(ap, prompt: int = 96, median: float = 128, sigma: float = 1.0
 
 def profile(policy, seqs, starts, loss_fn, args) -> dict:
     """The ops with the most self time over one logprobs + train pass, [name, ms, calls]: on the
-    device ("device", CUDA only) and on the host ("host": launch overhead and syncs)."""
+    device ("device", CUDA only) and on the host ("host": launch overhead and syncs); and the
+    ops called most often with the Python frames that called them ("calls": [name, calls, host
+    ms, frames]), which attributes launch counts to the code that makes them."""
     import torch
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
     cuda = args.device == "cuda"
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with torch_profile(activities=acts) as prof:
+    with torch_profile(activities=acts, with_stack=True) as prof:
         policy.logprobs(seqs, starts)
         policy.train_mini_batch(seqs, starts, loss_fn)
         if cuda:
@@ -83,7 +85,34 @@ def profile(policy, seqs, starts, loss_fn, args) -> dict:
         events = sorted(prof.key_averages(), key=lambda e: getattr(e, key, 0.0), reverse=True)
         out[name] = [[e.key[:80], round(getattr(e, key) / 1e3, 2), e.count]
                      for e in events[: args.profile]]
+    out["calls"] = _calls_by_caller(prof.events(), args.profile, cuda)
     return out
+
+
+def _calls_by_caller(events, n: int, cuda: bool) -> list:
+    """Top-level aten ops (not called from another aten op; on CUDA only those that ran device
+    work) grouped by the nearest three Python frames outside torch that led to them, most calls
+    first: [op, calls, host ms, frames]."""
+    import collections
+
+    groups = collections.defaultdict(lambda: [0, 0.0])
+    for e in events:
+        parent = e.cpu_parent
+        if not e.name.startswith("aten::") or (parent is not None
+                                               and parent.name.startswith("aten::")):
+            continue
+        if cuda and not getattr(e, "device_time_total", 0):
+            continue
+        frames = []
+        while parent is not None and len(frames) < 3:
+            if ".py(" in parent.name and "torch/" not in parent.name:
+                frames.append(parent.name.split("site-packages/")[-1][:90])
+            parent = parent.cpu_parent
+        g = groups[(e.name, tuple(frames))]
+        g[0] += 1
+        g[1] += e.cpu_time_total / 1e3
+    top = sorted(groups.items(), key=lambda kv: kv[1][0], reverse=True)[:n]
+    return [[op, c, round(ms, 2), list(fr)] for (op, fr), (c, ms) in top]
 
 
 def main() -> None:
