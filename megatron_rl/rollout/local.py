@@ -202,13 +202,15 @@ class LocalEngine:
     def _sample(self, logits_bv: torch.Tensor, sp: SamplingParams):
         """logits [B, V] (Megatron gathers TP shards in inference) -> (tokens [B], logprobs [B]),
         identical on every TP rank."""
-        full = logits_bv.float()
         if sp.temperature > 0 and sp.top_k <= 0 and sp.top_p >= 1.0:
             # multinomial's own draw (argmax of p / E, E ~ Exp(1), the same RNG stream), fused
-            noise = torch.empty(full.shape, dtype=torch.float32, device=full.device)
+            # (the fp32 upcast happens inside the compiled pass: no [B, V] fp32 copy)
+            noise = torch.empty(logits_bv.shape, dtype=torch.float32, device=logits_bv.device)
             noise.exponential_(generator=self.generator)
-            tokens, lp = self._exp_race_fn()(logits_bv, noise, float(sp.temperature))
-        elif sp.temperature > 0:
+            return self._broadcast_draw(*self._exp_race_fn()(logits_bv, noise,
+                                                              float(sp.temperature)))
+        full = logits_bv.float()
+        if sp.temperature > 0:
             scaled = full / sp.temperature
             logp = torch.log_softmax(scaled, -1)
             probs = filter_logits(scaled, sp.top_k, sp.top_p).softmax(-1)
@@ -218,8 +220,12 @@ class LocalEngine:
             logp = torch.log_softmax(full, -1)
             tokens = full.argmax(-1)
             lp = logp.gather(-1, tokens[:, None]).squeeze(-1)
+        return self._broadcast_draw(tokens, lp)
+
+    def _broadcast_draw(self, tokens: torch.Tensor, lp: torch.Tensor):
+        """One sampler per TP group: every rank takes TP rank 0's tokens and log-probs."""
         group = self._tp_group()
-        if group is not None:  # one sampler per TP group: broadcast rank 0's draw
+        if group is not None:
             src = dist.get_global_rank(group, 0)
             dist.broadcast(tokens, src, group=group)
             dist.broadcast(lp, src, group=group)
