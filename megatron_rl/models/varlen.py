@@ -9,7 +9,9 @@ packed batches that have no BlockMask.
 No mask is built and nothing is compiled per packed length. On CUDA, torch's varlen flash
 kernel; the compiled flex path stays its reference (tests/unit/test_models_attention.py compares
 them on CUDA). torch's `varlen_attn` changed its arguments across releases (GQA and causality):
-both spellings are handled. On CPU, one SDPA per document: flex_attention has no compiled CPU
+both spellings are handled; where it takes no `enable_gqa` (torch 2.11), GQA goes straight to
+the flash kernel (`aten._flash_attention_forward` / `_backward`, which take fewer K/V heads
+than query heads) instead of repeating K/V per query head. On CPU, one SDPA per document: flex_attention has no compiled CPU
 kernel (its eager fallback evaluates the mask per score, ~50 s for one old-log-prob pass of a
 64-sequence batch on the tiny model) and a dense block-diagonal mask costs t^2 memory; the
 tests compare it with that dense mask.
@@ -52,11 +54,10 @@ def varlen_attention(query, key, value, p, causal: bool, scale: float) -> torch.
     n = int(p.max_seqlen_q)
     kwargs = {}
     if query.shape[1] != key.shape[1]:
-        if _varlen_takes_gqa():
-            kwargs["enable_gqa"] = True
-        else:  # an older torch: the KV heads repeated for their query heads
-            g = query.shape[1] // key.shape[1]
-            key, value = key.repeat_interleave(g, dim=1), value.repeat_interleave(g, dim=1)
+        if not _varlen_takes_gqa():  # an older torch's wrapper: flash's own GQA, no K/V repeat
+            out = _FlashVarlen.apply(query, key, value, cu, n, causal, scale)
+            return out.reshape(query.shape[0], -1)
+        kwargs["enable_gqa"] = True
     if causal:
         if _varlen_takes_window():
             kwargs["window_size"] = (-1, 0)
@@ -64,6 +65,27 @@ def varlen_attention(query, key, value, p, causal: bool, scale: float) -> torch.
             kwargs["is_causal"] = True
     out = varlen_attn(query, key, value, cu, cu, n, n, scale=scale, **kwargs)
     return out.reshape(query.shape[0], -1)
+
+
+class _FlashVarlen(torch.autograd.Function):
+    """Packed documents through aten's flash kernels, K/V with fewer heads than the queries
+    (GQA: flash reads each KV head for its query heads; its backward sums their K/V grads)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu, n: int, causal: bool, scale: float):
+        out, lse, seed, offset, _ = torch.ops.aten._flash_attention_forward(
+            q, k, v, cu, cu, n, n, 0.0, causal, False, scale=scale)
+        ctx.save_for_backward(q, k, v, out, lse, cu, seed, offset)
+        ctx.n, ctx.causal, ctx.scale = n, causal, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, out, lse, cu, seed, offset = ctx.saved_tensors
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(
+            grad.contiguous(), q, k, v, out, lse, cu, cu, ctx.n, ctx.n, 0.0, ctx.causal, seed,
+            offset, scale=ctx.scale)
+        return dq, dk, dv, None, None, None, None
 
 
 def document_boundaries(p) -> tuple[torch.Tensor, torch.Tensor]:
