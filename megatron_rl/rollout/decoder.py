@@ -325,7 +325,10 @@ class LeanDecoder:
             o = self._attend(li, q, k, v, bias, kv_len, attend_fn)
             x, act = mlp_fn(x, self._all_reduce(F.linear(o, att.linear_proj.weight)),
                             layer.pre_mlp_layernorm.weight, mlp.linear_fc1.weight, eps)
-            x = x + self._all_reduce(F.linear(act, mlp.linear_fc2.weight))
+            if self.tp is None:  # the residual add in fc2's GEMM epilogue (beta = 1): no kernel
+                x = torch.addmm(x, act, mlp.linear_fc2.weight.t())
+            else:
+                x = x + self._all_reduce(F.linear(act, mlp.linear_fc2.weight))
         return x
 
     def _weights_moved(self) -> bool:
