@@ -177,8 +177,18 @@ class Policy:
 
     def _response_logprobs(self, hidden, mb: _MicroBatch, temperature: float, with_entropy: bool):
         """Final-norm hidden states [s(/tp), b, h] -> per-sample response log-probs (and
-        entropy). Only the response rows reach the output layer (actor/output_logprobs.py): one
-        gather of every response position, then chunked log-probs without [T, V] logits."""
+        entropy), views of `_flat_response_logprobs`'s rows."""
+        lp, ent, spans = self._flat_response_logprobs(hidden, mb, temperature, with_entropy)
+        lps = list(lp.split(spans))
+        ents = list(ent.split(spans)) if ent is not None else [None] * len(spans)
+        return lps, ents
+
+    def _flat_response_logprobs(self, hidden, mb: _MicroBatch, temperature: float,
+                                with_entropy: bool):
+        """The micro-batch's response log-probs (and entropy) as one flat row each, sample after
+        sample, with the per-sample lengths. Only the response rows reach the output layer
+        (actor/output_logprobs.py): one gather of every response position, then chunked
+        log-probs without [T, V] logits."""
         tp_group = self.ps.pgs.tp if self.ps.tp_size > 1 else None
         hidden = gather_sequence(self.module, hidden, tp_group)
         b = int(hidden.shape[1])
@@ -198,9 +208,7 @@ class Policy:
         lp, ent = rows_logprobs(self.module, rows, targets, temperature=temperature,
                                 tp_group=tp_group, with_entropy=with_entropy,
                                 chunk_tokens=self.logprob_chunk_tokens, fused=self.fused_logprobs)
-        lps = list(lp.split(spans))
-        ents = list(ent.split(spans)) if ent is not None else [None] * len(spans)
-        return lps, ents
+        return lp, ent, spans
 
     def _run(self, mbs: list[_MicroBatch], forward_only: bool, loss_closure):
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -251,10 +259,15 @@ class Policy:
         ents: list = [None] * len(seqs)
 
         def closure(mb, hidden):
-            lp, ent = self._response_logprobs(hidden, mb, temperature, with_entropy)
-            for i, a, h in zip(mb.indices, lp, ent):
-                lps[i] = a if non_blocking else a.cpu()
-                ents[i] = None if h is None else h if non_blocking else h.cpu()
+            lp, ent, spans = self._flat_response_logprobs(hidden, mb, temperature, with_entropy)
+            # one device-to-host copy (and sync) per micro-batch, not one per sample; on the host
+            # each sample gets its own storage (a saved view would carry the whole micro-batch)
+            own = (lambda t: t) if non_blocking else (lambda t: t.clone())
+            if not non_blocking:
+                lp, ent = lp.cpu(), (None if ent is None else ent.cpu())
+            for i, a, h in zip(mb.indices, lp.split(spans),
+                               ent.split(spans) if ent is not None else [None] * len(spans)):
+                lps[i], ents[i] = own(a), (None if h is None else own(h))
             return hidden.new_zeros(()), {}
 
         self._run(mbs, forward_only=True, loss_closure=closure)

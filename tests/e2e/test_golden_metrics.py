@@ -6,6 +6,11 @@ checkpoint -- must reproduce every metrics.jsonl row pinned in golden/quickstart
 The golden rows were written by the code *before* the pipeline restructuring (issue 11) and the
 restructured code reproduces them bit for bit on the development machine; the comparison allows
 a relative 1e-6 so that another x86 machine whose BLAS sums in a different order still passes.
+`rollout/logprob_gap_*` are the exception: they measure the rounding disagreement between the
+engine's and the actor's fp32 log-probs of the same tokens (~1e-6), so their value *is* the
+summation order -- the CI machine (another CPU, other SDPA/GEMM kernels) gave 2.9e-6 where this
+one gives 2.1e-6. They are held to the rounding scale (absolute 2e-5, 4x the largest pinned
+value, 5.1e-6); a real engine/actor mismatch is orders of magnitude above it.
 A change that is meant to move numbers rewrites the file on purpose:
 
     MEGATRON_RL_WRITE_GOLDEN=1 python -m pytest tests/e2e/test_golden_metrics.py
@@ -36,6 +41,8 @@ RUNS = {
              "algorithm.loss_agg_mode=seq-mean-token-sum-norm"],
 }
 SKIP = ("time/", "throughput/")
+ROUNDING = ("rollout/logprob_gap_",)  # keys whose value is rounding noise: absolute tolerance
+ROUNDING_ABS = 2e-5
 
 
 def _cli(args: list[str], cwd) -> None:
@@ -75,8 +82,9 @@ def test_short_quickstart_reproduces_golden_rows(tmp_path):
         for g, w in zip(got[name], want[name]):
             assert sorted(g) == sorted(w), (name, w["step"], set(g) ^ set(w))
             for k, v in w.items():
+                abs_tol = ROUNDING_ABS if k.startswith(ROUNDING) else 1e-9
                 same = g[k] == v or (isinstance(v, float) and math.isclose(g[k], v, rel_tol=1e-6,
-                                                                            abs_tol=1e-9))
+                                                                            abs_tol=abs_tol))
                 assert same, f"{name} step {w['step']} {k}: got {g[k]!r}, golden {v!r}"
     # the pinned run is not vacuous: GRPO saw rewards with signal and moved the policy
     assert any(r.get("reward/mean", 0) > 0 for r in want["grpo"])
