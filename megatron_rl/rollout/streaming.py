@@ -13,7 +13,8 @@ few thousand tokens is launch-bound (~0.1 s of host time for the Qwen3-0.6B shap
 tokens, as long as its GPU time: tools/bench/sync_probe.py), and launched from the decode loop
 it stalls the decode steps for that long. The worker launches while the decode thread waits on
 its per-step token copy (torch releases the GIL in its ops and syncs); the GIL switch interval
-is lowered while the worker runs so that the decode thread gets it back quickly. MoE models run
+is lowered while the worker runs so that the decode thread gets it back quickly, and
+`concurrent_tracing_tolerated` holds while it runs (below). MoE models run
 Megatron's MoE layers in the decode step itself, so their streamed forwards stay on the decode
 thread.
 `finish(needed)` scores what is left once decoding is over (the exposed part) and returns the
@@ -41,9 +42,10 @@ non-streamed run with the same samples).
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Protocol
 
@@ -54,6 +56,25 @@ from megatron_rl.types import Sample
 # score_fn(prompt_ids, response_ids, samples, non_blocking) -> (old [L_i] each, ref or None)
 ScoreFn = Callable[[list[torch.Tensor], list[torch.Tensor], list[Sample], bool],
                    tuple[list[torch.Tensor], list[torch.Tensor] | None]]
+
+
+@contextlib.contextmanager
+def concurrent_tracing_tolerated() -> Iterator[None]:
+    """While the worker thread runs: a torch.compile'd function called on one thread while
+    another thread compiles runs its Python function eagerly (the same formula) instead of
+    raising. Dynamo's check for "called under FX symbolic tracing" reads a process-wide flag
+    (torch.fx's `_is_fx_tracing_flag`), which a compile on the other thread sets while its AOT
+    autograd traces: the decode loop's compiled draw then raised "Detected that you are using
+    FX to symbolically trace a dynamo-optimized function" whenever the worker was compiling the
+    actor's fused norms (seen on the H100, 2026-12-05). The setting is restored on exit."""
+    import torch._dynamo.config as dynamo_config
+
+    old = dynamo_config.error_on_nested_fx_trace
+    dynamo_config.error_on_nested_fx_trace = False
+    try:
+        yield
+    finally:
+        dynamo_config.error_on_nested_fx_trace = old
 
 
 class RolloutListener(Protocol):
@@ -100,6 +121,7 @@ class LogprobStreamer:
                 initializer=torch.cuda.set_device, initargs=(torch.device(device),))
         self._jobs: list[Future] = []
         self._switch_interval: float | None = None
+        self._worker_scope: contextlib.ExitStack | None = None
         self._next_key = 0
         self._pending: dict[int, tuple[Sample, int]] = {}  # buffer key -> (sample, prompt len)
         self._scores: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
@@ -176,6 +198,9 @@ class LogprobStreamer:
                 if self._switch_interval is None:
                     self._switch_interval = sys.getswitchinterval()
                     sys.setswitchinterval(self.SWITCH_INTERVAL_S)
+                if self._worker_scope is None:
+                    self._worker_scope = contextlib.ExitStack()
+                    self._worker_scope.enter_context(concurrent_tracing_tolerated())
                 self._jobs.append(self._worker.submit(*job))
         self.streamed_samples += len(batch.sample_ids) if streamed else 0
 
@@ -186,8 +211,8 @@ class LogprobStreamer:
             end.record()
 
     def _join(self) -> None:
-        """Wait for the worker's launches (re-raising their errors) and restore the GIL switch
-        interval."""
+        """Wait for the worker's launches (re-raising their errors), restore the GIL switch
+        interval and dynamo's nested-trace check."""
         try:
             for job in self._jobs:
                 job.result()
@@ -199,6 +224,9 @@ class LogprobStreamer:
             if self._worker is not None:
                 self._worker.shutdown(wait=True)
                 self._worker = None
+            if self._worker_scope is not None:
+                self._worker_scope.close()
+                self._worker_scope = None
 
     def _score(self, keys: list[int], toks: list[torch.Tensor], non_blocking: bool) -> None:
         self._score_samples(self._take(keys), toks, non_blocking)

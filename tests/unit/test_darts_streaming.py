@@ -130,3 +130,41 @@ def test_streamed_step_equals_plain_step_cuda(tmp_path):
                tmp_path)
     steps = compare_runs(tmp_path / "plain", tmp_path / "streamed")
     assert all(r["darts/streamed_samples"] >= 8 for r in steps)
+
+
+def test_compiled_calls_survive_another_threads_fx_trace():
+    """The race the streaming worker thread met on CUDA: while one thread is inside an FX trace
+    (a compile's AOT autograd), a torch.compile'd function called on another thread raises --
+    dynamo reads a process-wide flag. Under `concurrent_tracing_tolerated` (what the streamer
+    holds while its worker runs) the call returns the function's value, and the check is back
+    afterwards."""
+    import threading
+
+    import torch
+
+    from megatron_rl.rollout.streaming import concurrent_tracing_tolerated
+
+    inside, release = threading.Event(), threading.Event()
+
+    class Blocks(torch.nn.Module):
+        def forward(self, x):
+            inside.set()  # now tracing (the flag is set) on this thread
+            release.wait(30)
+            return x + 1
+
+    tracer = threading.Thread(target=torch.fx.symbolic_trace, args=(Blocks(),))
+    tracer.start()
+    try:
+        assert inside.wait(30)
+        draw = torch.compile(lambda t: (t * 2).exp(), backend="eager")
+        x = torch.arange(4.0)
+        with pytest.raises(RuntimeError, match="symbolically trace"):
+            draw(x)
+        with concurrent_tracing_tolerated():
+            assert torch.equal(draw(x), (x * 2).exp())
+        with pytest.raises(RuntimeError, match="symbolically trace"):
+            draw(x)
+    finally:
+        release.set()
+        tracer.join(30)
+    assert torch.equal(draw(x), (x * 2).exp())  # no trace in flight: the compiled call
