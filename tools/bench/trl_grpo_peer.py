@@ -68,10 +68,20 @@ def main() -> None:
                       gradient_checkpointing=False)
     trainer = GRPOTrainer(model=model, reward_funcs=[reward], args=gcfg, train_dataset=data,
                           processing_class=tok, callbacks=[Clock()])
-    trainer.train()
-    late = times[2:] or times
-    print(json.dumps({"bench": "trl_grpo_peer", "summary": "median of steps >= 3",
-                      "step_s": round(statistics.median(late), 3), "steps": len(times)}))
+    stopped = None
+    try:
+        trainer.train()
+    except torch.OutOfMemoryError as e:  # (an 80 GB H100 ran out at step 5, 2026-12-05)
+        stopped = f"CUDA out of memory in step {len(times) + 1}: {str(e).splitlines()[0][:160]}"
+    if not times:
+        raise SystemExit(f"trl_grpo_peer: no step finished ({stopped})")
+    first = min(3, len(times))  # steps >= 3 (two warm up); fewer finished: the line says which
+    line = {"bench": "trl_grpo_peer", "summary": f"median of steps >= {first}",
+            "step_s": round(statistics.median(times[first - 1:]), 3), "steps": len(times),
+            "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1)}
+    if stopped:
+        line["stopped"] = stopped
+    print(json.dumps(line))
 
 
 if __name__ == "__main__":
