@@ -25,9 +25,10 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 run() {  # name, command...
   local name=$1; shift
   local s=$(date +%s)
-  echo "[h200] $name: $*"
+  echo "[h200] $name: $*" | tee -a "$OUT/log"
   "$@" 2>>"$OUT/log" | tee -a "$OUT/log" | grep '^{' >>"$OUT/results.jsonl"
-  echo "[h200] $name done in $(( $(date +%s) - s )) s (rc ${PIPESTATUS[0]})"
+  # (in the log too: a call cut by its time limit returns $OUT but not its stdout)
+  echo "[h200] $name done in $(( $(date +%s) - s )) s (rc ${PIPESTATUS[0]})" | tee -a "$OUT/log"
 }
 for stage in "$@"; do
   case $stage in
