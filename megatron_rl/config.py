@@ -997,6 +997,17 @@ class TrainerConfig:
     engine and old log-probs, finish reasons, DARLING classes, DARTS decisions) to
     `<output_dir>/rollouts.zarr`; `megatron-rl report` and `megatron-rl inspect` read it."""
 
+    profile_steps: list[int] = field(default_factory=list)
+    """RL steps to run under torch.profiler (e.g. [3]: the first steps compile and capture):
+    each writes `<output_dir>/profile/step_<N>.rank_<R>.json` (wall and device-busy seconds, the
+    phases' host and device seconds, the top ops by device time) and a `.txt` table, per rank.
+    Profiling slows the host, so that step's time/* metrics are not its usual ones; the numbers
+    it computes are unchanged. [] (default): nothing profiled."""
+
+    profile_trace: bool = False
+    """With trainer.profile_steps: also write each profiled step's Chrome/Perfetto trace
+    (`step_<N>.rank_<R>.trace.json`, large: every kernel is an event)."""
+
     wandb: bool = False
     """Also log metrics to Weights & Biases (needs the `wandb` package: `pip install
     .[tracking]`), under the run name `<parent>/<output_dir name>`."""
@@ -1019,6 +1030,11 @@ class TrainerConfig:
         _check(self.num_eval_examples >= 1, "trainer.num_eval_examples", "must be >= 1")
         _check(all(k >= 1 for k in self.eval_pass_k), "trainer.eval_pass_k",
                f"every k must be >= 1, got {self.eval_pass_k}")
+        _check(all(1 <= k <= self.total_steps for k in self.profile_steps),
+               "trainer.profile_steps", f"every step must be in [1, trainer.total_steps="
+               f"{self.total_steps}], got {self.profile_steps}")
+        _check(not self.profile_trace or bool(self.profile_steps), "trainer.profile_trace",
+               "needs trainer.profile_steps (the steps whose trace to write)")
         _check(bool(self.output_dir.strip()), "trainer.output_dir", "must name a folder")
 
 

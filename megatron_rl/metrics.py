@@ -34,7 +34,8 @@ def dp_mean(values: dict[str, float], group=None) -> dict[str, float]:
 
 
 class Timer:
-    """Accumulates wall-clock seconds per named phase: `with timer("rollout"): ...`."""
+    """Accumulates wall-clock seconds per named phase: `with timer("rollout"): ...`. Each phase
+    is also a `phase/<name>` profiler range (`megatron_rl.profiling`; free when not profiling)."""
 
     def __init__(self):
         self.times: dict[str, float] = {}
@@ -43,7 +44,8 @@ class Timer:
     def __call__(self, name: str):
         t0 = time.perf_counter()
         try:
-            yield
+            with torch.profiler.record_function(f"phase/{name}"):
+                yield
         finally:
             self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t0
 

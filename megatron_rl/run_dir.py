@@ -31,13 +31,15 @@ import torch.distributed as dist
 from megatron_rl.actor.checkpoint import choose_checkpoint, read_extra
 from megatron_rl.recipe import save_resolved
 
-RUN_FILES = ("config.yaml", "metrics.jsonl", "result.json", "checkpoints", "final", "tb", "wandb")
+RUN_FILES = ("config.yaml", "metrics.jsonl", "result.json", "checkpoints", "final", "tb", "wandb",
+             "profile")
 """What a run writes into its output_dir (what `trainer.overwrite` deletes)."""
 
 SAFE = ("trainer.save_interval", "trainer.eval_interval", "trainer.num_eval_examples",
         "trainer.resume", "trainer.overwrite", "trainer.resume_allow_changes",
         "trainer.keep_last", "trainer.max_bad_steps", "trainer.tensorboard",
-        "trainer.progress_bar", "trainer.output_dir", "trainer.wandb", "reward.num_workers",
+        "trainer.progress_bar", "trainer.profile_steps", "trainer.profile_trace",
+        "trainer.output_dir", "trainer.wandb", "reward.num_workers",
         "reward.math_verify_timeout_s", "rollout.val_temperature", "data.val_files",
         "data.num_val_examples")
 """Fields (or prefixes of fields) a resumed run may change freely: logging, checkpointing,

@@ -41,6 +41,7 @@ from megatron_rl.eval.accuracy import build_evaluator
 from megatron_rl.metrics import MetricsLogger, Timer, dp_mean
 from megatron_rl.models.dllm import model_kind
 from megatron_rl.parallel import destroy_parallel, init_parallel
+from megatron_rl.profiling import StepProfiler
 from megatron_rl.recipe import config_main
 from megatron_rl.rewards import build_reward
 from megatron_rl.rollout import ENGINES, EngineContext, build_engine, check_engine
@@ -84,24 +85,26 @@ def run(cfg: RLConfig) -> dict:
                         wandb=tr.wandb, wandb_project=tr.wandb_project, wandb_mode=tr.wandb_mode,
                         config=dataclasses.asdict(cfg) if tr.wandb else None)
     store = open_store(cfg, ps, start, tok)  # rollouts.zarr, truncated to the resumed step
+    profiler = StepProfiler(tr.profile_steps, tr.output_dir, ps.rank, trace=tr.profile_trace)
     before = run.baseline(run_eval, log)  # evaluated at step 0 only; a resume reuses it
     t_start = time.perf_counter()
     for step in range(start + 1, tr.total_steps + 1):
         t0 = time.perf_counter()
-        groups, metrics = collector.collect(batches, step)            # 1. rollout + rewards
-        engine.sleep()  # free generation memory for training (colocated)
-        samples = [s for g in groups for s in g.samples]              # 2. advantages
-        rewards = torch.tensor([s.reward for s in samples])
-        adv = algo.advantages(cfg.algorithm, rewards, group_index(samples))
-        batch = TrainBatch.from_samples(samples, adv)
-        with timer("old_logprobs"):                                   # 3. old / ref log-probs
-            metrics.update(collector.score(batch, step))  # learner.score / DARTS-streamed
-        with timer("train"):                                          # 4. policy update
-            metrics.update(guarded_update(learner.update, batch, cfg, ps, run.bad_steps, step))
-            learner.finish(batch)  # pi_old's log-probs in the batch (train_forward: taken in 4.)
-        store_step(store, cfg, ps, step, samples, adv, batch)  # DP-gathered; rank 0 writes
-        engine.push_weights(policy.module, step)                      # 5. weight sync
-        engine.wake()  # re-acquire generation memory before the next rollout / eval
+        with profiler.step(step):  # trainer.profile_steps: under torch.profiler
+            groups, metrics = collector.collect(batches, step)            # 1. rollout + rewards
+            engine.sleep()  # free generation memory for training (colocated)
+            samples = [s for g in groups for s in g.samples]              # 2. advantages
+            rewards = torch.tensor([s.reward for s in samples])
+            adv = algo.advantages(cfg.algorithm, rewards, group_index(samples))
+            batch = TrainBatch.from_samples(samples, adv)
+            with timer("old_logprobs"):                                   # 3. old / ref log-probs
+                metrics.update(collector.score(batch, step))  # learner.score / DARTS-streamed
+            with timer("train"):                                          # 4. policy update
+                metrics.update(guarded_update(learner.update, batch, cfg, ps, run.bad_steps, step))
+                learner.finish(batch)  # pi_old's log-probs in the batch (train_forward: taken in 4.)
+            store_step(store, cfg, ps, step, samples, adv, batch)  # DP-gathered; rank 0 writes
+            engine.push_weights(policy.module, step)                      # 5. weight sync
+            engine.wake()  # re-acquire generation memory before the next rollout / eval
         dp = ps.pgs.dp if ps.dp_size > 1 else None
         metrics = dp_mean({**_batch_metrics(batch, samples, cfg, ps.dp_size, t0, dp), **metrics,
                            **timer.pop()}, dp)

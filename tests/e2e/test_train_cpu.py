@@ -69,13 +69,15 @@ def test_unknown_key_fails_before_writing(tmp_path):
 
 def test_train_under_torchrun_dp2(tmp_path):
     """The README's launch form: `torchrun ... -m megatron_rl.cli train` at DP=2 (gloo) trains,
-    writes one metrics file and prints one result line for the job."""
+    writes one metrics file and prints one result line for the job; a profiled step writes one
+    profile per rank."""
     sys.path.insert(0, os.path.join(REPO, "tests"))
     from helpers import run_torchrun
 
     out_dir = tmp_path / "dp2"
     proc = run_torchrun(["-m", "megatron_rl.cli", "train", *BASE, "trainer.total_steps=2",
-                         "trainer.wandb=true", f"trainer.output_dir={out_dir}"], nproc=2,
+                         "trainer.wandb=true", "trainer.profile_steps=[2]",
+                         f"trainer.output_dir={out_dir}"], nproc=2,
                         timeout=600)
     results = [line for line in proc.stdout.splitlines() if line.startswith('{"pass_at_1')]
     assert len(results) == 1, proc.stdout[-2000:]
@@ -86,6 +88,13 @@ def test_train_under_torchrun_dp2(tmp_path):
     assert stored_steps == [1, 2] and per_step == [16, 16]
     assert len({x.group_id for x in reader.read_step(1).samples}) == 4
     assert len(list((out_dir / "wandb").glob("offline-run-*"))) == 1  # rank 0's, offline
+    # trainer.profile_steps: each rank profiles its own step 2 (and only step 2)
+    profiles = sorted(p.name for p in (out_dir / "profile").iterdir())
+    assert profiles == [f"step_2.rank_{r}.{ext}" for r in (0, 1) for ext in ("json", "txt")]
+    for r in (0, 1):
+        summary = json.loads((out_dir / "profile" / f"step_2.rank_{r}.json").read_text())
+        assert {"rollout", "old_logprobs", "train"} <= set(summary["phases"]), summary["phases"]
+        assert summary["profile_top"], summary
 
 
 def test_train_with_darts_rollout_shaping(tmp_path):

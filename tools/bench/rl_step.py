@@ -10,7 +10,8 @@ response runs to the cap; the mean length is printed), no KL, one optimizer step
 It prints one JSON line per step and a summary line with the median over steps >= 3 of the step
 time and of its split (rollout, reward, old log-probs, train). `--layout packed|padded` picks the
 actor's micro-batch layout; `--no-keep-graphs` frees the decode graphs at every engine.sleep()
-(the previous behaviour) for comparison.
+(the previous behaviour) for comparison; `--profile-step N` runs step N under torch.profiler
+and prints its summary (megatron_rl/profiling.py) as a last JSON line.
 """
 
 from __future__ import annotations
@@ -76,6 +77,9 @@ def main() -> None:
     ap.add_argument("--peer", action="store_true")
     ap.add_argument("--layout", choices=["padded", "packed"], default="packed")
     ap.add_argument("--no-keep-graphs", action="store_true")
+    ap.add_argument("--profile-step", type=int, default=0, metavar="N",
+                    help="run step N under torch.profiler (trainer.profile_steps=[N]) and print "
+                         "its summary (phases, device-busy time, top ops) as a JSON line")
     args = ap.parse_args()
     from megatron_rl import train
 
@@ -91,6 +95,8 @@ def main() -> None:
                                   progress_bar=False, num_eval_examples=32,
                                   micro_batch_layout=args.layout),
         )
+    if args.profile_step:
+        cfg.trainer.profile_steps = [args.profile_step]
     name = "rl_step_peer" if args.peer else "rl_step"
     tag = {"layout": cfg.trainer.micro_batch_layout, "keep_graphs": cfg.rollout.keep_decode_graphs}
     try:
@@ -100,6 +106,9 @@ def main() -> None:
         _print(name, tag, out, result)
         raise
     _print(name, tag, out, result)
+    if args.profile_step:
+        with open(os.path.join(out, "profile", f"step_{args.profile_step}.rank_0.json")) as f:
+            print(json.dumps({"bench": name, **tag, "profile": json.load(f)}))
 
 
 def _print(name: str, tag: dict, out: str, result: dict) -> None:
