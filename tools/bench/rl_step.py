@@ -103,15 +103,16 @@ def main() -> None:
         result = train.run(cfg)
     except BaseException as e:  # the steps that finished are still figures: print them, re-raise
         result = {"failed": f"{type(e).__name__}: {str(e)[:300]}"}
-        _print(name, tag, out, result)
+        _print(name, tag, out, result, skip=args.profile_step)
         raise
-    _print(name, tag, out, result)
+    _print(name, tag, out, result, skip=args.profile_step)
     if args.profile_step:
         with open(os.path.join(out, "profile", f"step_{args.profile_step}.rank_0.json")) as f:
             print(json.dumps({"bench": name, **tag, "profile": json.load(f)}))
 
 
-def _print(name: str, tag: dict, out: str, result: dict) -> None:
+def _print(name: str, tag: dict, out: str, result: dict, skip: int = 0) -> None:
+    """One line per step, then the median over steps >= 3 but `skip` (the profiled step)."""
     from megatron_rl.metrics import read_metrics
 
     rows = [r for r in read_metrics(out) if "reward/mean" in r]
@@ -125,9 +126,10 @@ def _print(name: str, tag: dict, out: str, result: dict) -> None:
     if not rows:
         print(json.dumps({"bench": name, **tag, "summary": "no step finished", **result}))
         return
-    late = [r for r in rows if r["step"] >= 3] or rows
+    late = [r for r in rows if r["step"] >= 3 and r["step"] != skip] or rows
     keys = sorted({k for r in late for k in r if k.startswith("time/")})
-    print(json.dumps({"bench": name, **tag, "summary": "median of steps >= 3",
+    print(json.dumps({"bench": name, **tag, "summary": "median of steps >= 3"
+                      + (f" but {skip} (profiled)" if skip else ""),
                       **{k[5:] + "_s": round(statistics.median(r.get(k, 0.0) for r in late), 3)
                          for k in keys}, **result}))
 
