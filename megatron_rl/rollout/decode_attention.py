@@ -18,6 +18,10 @@ launch when the key axis is split:
   pos[b], which also uses them for that key -- after the same cast to the cache dtype, so the
   new key enters the attention with the rounded value the reference reads back; no program reads
   the cache at pos[b], so there is no read-after-write race inside the launch;
+* prologue (`Prologue`, what the lean decoder's fused blocks use): q and the new key arrive as
+  the raw rows of the QKV projection, and the program applies the q/k RMSNorm and RoPE (cos/sin
+  read at pos[b]) itself -- the same fp32 arithmetic and roundings as the compiled `qkv_block`
+  -- so no kernel between the QKV GEMM and the attention runs;
 * split-K: when slots x kv heads would leave the GPU's SMs idle (few slots), the key range of
   each slot is cut into `splits` equal tile runs on separate programs, each writing its partial
   (max, sum, accumulator) in fp32; `_combine_kernel` rescales and merges them. With many slots
@@ -38,6 +42,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -120,15 +125,36 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+class Prologue(NamedTuple):
+    """What `decode_attention` applies to raw QKV-projection rows before attending, as
+    `rollout.decoder.qkv_block` does after its GEMM: q/k RMSNorm (fp32, rounded to the input
+    dtype; weights None: no q/k norm), then rotate-half RoPE over the whole head (fp32 on the
+    rounded values, rounded again) with the rows of cos/sin [max_len, d] at each slot's pos."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    eps: float
+
+
 def decode_attention(q, k_new, v_new, k_cache, v_cache, pos, scale: float, kv_len: int,
-                     splits: int | None = None) -> torch.Tensor:
-    """`decode_attention_reference` in one fused launch (see the module docstring): q [B, h, d],
-    k_new/v_new [B, g, d], k_cache/v_cache [B, g, L, d] (a layer of the decoder's cache, written
-    in place at pos), pos [B] long on the device, every pos[b] < kv_len -> [B, h*d] (cache
-    dtype). splits: key-axis splits (None: `launch_config`'s)."""
-    B, heads, d = q.shape
+                     splits: int | None = None, prologue: Prologue | None = None) -> torch.Tensor:
+    """`decode_attention_reference` in one fused launch (see the module docstring): q [B, h, d]
+    (or [B, g, h/g, d], e.g. a view of the QKV projection), k_new/v_new [B, g, d],
+    k_cache/v_cache [B, g, L, d] (a layer of the decoder's cache, written in place at pos), pos
+    [B] long on the device, every pos[b] < kv_len -> [B, h*d] (cache dtype). splits: key-axis
+    splits (None: `launch_config`'s). prologue: q and k_new are the raw projection rows; the
+    kernel applies the prologue's q/k norm and RoPE first (the cache gets the rotated key)."""
     g = k_cache.shape[1]
-    per = heads // g
+    if q.dim() == 3:
+        q = q.view(q.shape[0], g, q.shape[1] // g, q.shape[2])
+    B, _, per, d = q.shape
+    heads = g * per
+    if prologue is not None and (prologue.cos.shape[-1] != d or prologue.cos.stride(-1) != 1
+                                 or prologue.cos.stride() != prologue.sin.stride()):
+        raise ValueError("decode_attention: the prologue's cos/sin must be contiguous "
+                         f"[max_len, {d}] tables (RoPE over the whole head)")
     if any(t.stride(-1) != 1 for t in (q, k_new, v_new, k_cache, v_cache)):
         raise ValueError("decode_attention: the feature (last) axis must be contiguous")
     if k_cache.stride() != v_cache.stride():
@@ -143,14 +169,21 @@ def decode_attention(q, k_new, v_new, k_cache, v_cache, pos, scale: float, kv_le
         m_part = torch.empty(B, heads, splits, dtype=torch.float32, device=q.device)
         l_part = torch.empty_like(m_part)
         acc_part = torch.empty(B, heads, splits, d, dtype=torch.float32, device=q.device)
+    pro = prologue
+    norm = pro is not None and pro.q_norm is not None
+    if pro is not None and (pro.q_norm is None) != (pro.k_norm is None):
+        raise ValueError("decode_attention: the prologue has a q norm without a k norm or back")
     _decode_kernel[(B, g, splits)](
         q, k_new, v_new, k_cache, v_cache, pos, out, m_part, l_part, acc_part,
-        q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0),
-        v_new.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        scale * math.log2(math.e), splits,
+        pro.cos if pro else q, pro.sin if pro else q, pro.q_norm if norm else q,
+        pro.k_norm if norm else q,
+        q.stride(0), q.stride(1), q.stride(2), k_new.stride(0), k_new.stride(1),
+        v_new.stride(0), v_new.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        pro.cos.stride(0) if pro else 0, scale * math.log2(math.e), splits,
+        float(pro.eps) if pro else 0.0,
         PER=per, ROWS=max(16, triton.next_power_of_2(per)), D=d, BLOCK_N=block_n,
         DIRECT=splits == 1, PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
-        num_warps=warps, num_stages=stages)
+        ROPE=pro is not None, QK_NORM=norm, num_warps=warps, num_stages=stages)
     if splits > 1:
         _combine_kernel[(B, heads)](m_part, l_part, acc_part, out, splits,
                                     SPLITS=triton.next_power_of_2(splits), D=d, num_warps=4)
@@ -160,30 +193,61 @@ def decode_attention(q, k_new, v_new, k_cache, v_cache, pos, scale: float, kv_le
 if triton is not None:
 
     @triton.jit
-    def _decode_kernel(Q, KN, VN, KC, VC, POS, OUT, M_PART, L_PART, ACC_PART,
-                       sq_b, sq_h, skn_b, skn_g, svn_b, svn_g, sc_b, sc_g, sc_n,
-                       qk_scale, splits,
+    def _rope_rows(x, x_rot, cs, sn, w, w_rot, eps, D: tl.constexpr, dd, QK_NORM: tl.constexpr,
+                   dtype: tl.constexpr):
+        """[rows, D] raw rows (and the same rows at the rotate-half partner channels) -> q/k
+        RMSNorm (fp32, rounded to dtype) then RoPE (fp32, rounded): `qkv_block`'s arithmetic."""
+        x, x_rot = x.to(tl.float32), x_rot.to(tl.float32)
+        if QK_NORM:
+            r = tl.rsqrt(tl.sum(x * x, 1) / D + eps)
+            x = (x * r[:, None] * w[None, :]).to(dtype).to(tl.float32)
+            x_rot = (x_rot * r[:, None] * w_rot[None, :]).to(dtype).to(tl.float32)
+        sign = tl.where(dd < D // 2, -1.0, 1.0)
+        return (x * cs[None, :] + sign[None, :] * x_rot * sn[None, :]).to(dtype)
+
+    @triton.jit
+    def _decode_kernel(Q, KN, VN, KC, VC, POS, OUT, M_PART, L_PART, ACC_PART, COS, SIN, QN, KNW,
+                       sq_b, sq_g, sq_h, skn_b, skn_g, svn_b, svn_g, sc_b, sc_g, sc_n, s_cos,
+                       qk_scale, splits, eps,
                        PER: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr,
-                       BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, PRECISION: tl.constexpr):
-        """Program (slot, kv head, split): write the new K/V if pos is in its key range, then an
-        online softmax over that range's keys <= pos (scores in log2 units: qk_scale holds
-        log2(e)). DIRECT: the one split stores the output, else fp32 partials."""
+                       BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, PRECISION: tl.constexpr,
+                       ROPE: tl.constexpr, QK_NORM: tl.constexpr):
+        """Program (slot, kv head, split): (ROPE: q/k norm and RoPE of the raw rows first) write
+        the new K/V if pos is in its key range, then an online softmax over that range's keys
+        <= pos (scores in log2 units: qk_scale holds log2(e)). DIRECT: the one split stores the
+        output, else fp32 partials."""
         b, kh, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rows = tl.arange(0, ROWS)
         dd = tl.arange(0, D)
         nn = tl.arange(0, BLOCK_N)
         row_ok = rows < PER
         heads = kh * PER + rows
-        q = tl.load(Q + b * sq_b + heads[:, None] * sq_h + dd[None, :], mask=row_ok[:, None],
-                    other=0.0).to(KC.dtype.element_ty)
+        dtype = KC.dtype.element_ty
+        q_at = Q + b * sq_b + kh * sq_g + rows[:, None] * sq_h
+        q = tl.load(q_at + dd[None, :], mask=row_ok[:, None], other=0.0)
         p = tl.load(POS + b)
+        kn = tl.load(KN + b * skn_b + kh * skn_g + dd)
+        if ROPE:
+            partner = (dd + D // 2) % D  # rotate-half: channel c pairs with c +- D/2
+            cs = tl.load(COS + p * s_cos + dd).to(tl.float32)
+            sn = tl.load(SIN + p * s_cos + dd).to(tl.float32)
+            q_rot = tl.load(q_at + partner[None, :], mask=row_ok[:, None], other=0.0)
+            k_rot = tl.load(KN + b * skn_b + kh * skn_g + partner)
+            wq, wq_rot, wk, wk_rot = cs, cs, cs, cs  # (unused without QK_NORM)
+            if QK_NORM:
+                wq, wq_rot = tl.load(QN + dd).to(tl.float32), tl.load(QN + partner).to(tl.float32)
+                wk, wk_rot = tl.load(KNW + dd).to(tl.float32), tl.load(KNW + partner).to(tl.float32)
+            q = _rope_rows(q, q_rot, cs, sn, wq, wq_rot, eps, D, dd, QK_NORM, dtype)
+            kn = tl.reshape(_rope_rows(tl.reshape(kn, (1, D)), tl.reshape(k_rot, (1, D)), cs, sn,
+                                       wk, wk_rot, eps, D, dd, QK_NORM, dtype), (D,))
+        q = q.to(dtype)
         run = tl.cdiv(tl.cdiv(p + 1, BLOCK_N), splits) * BLOCK_N  # keys per split, whole tiles
         lo = s * run
         hi = tl.minimum(lo + run, p + 1)
         own = (lo <= p) & (p < hi)  # this split holds the new key
         kc = KC + b * sc_b + kh * sc_g
         vc = VC + b * sc_b + kh * sc_g
-        kn = tl.load(KN + b * skn_b + kh * skn_g + dd).to(KC.dtype.element_ty)
+        kn = kn.to(dtype)
         vn = tl.load(VN + b * svn_b + kh * svn_g + dd).to(VC.dtype.element_ty)
         mine = dd < tl.where(own, D, 0)  # all of the vector or none of it
         tl.store(kc + p * sc_n + dd, kn, mask=mine)

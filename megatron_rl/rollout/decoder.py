@@ -14,6 +14,9 @@ overhead per token. For generation the engine instead runs this forward, which
   the keys sliced to a length bucket, so a step reads only the cache it needs; on CUDA (with
   triton) a layer's cache write and attention are one fused kernel that reads each slot's own
   keys only (`rollout/decode_attention.py`; `decode_attention="torch"` keeps the torch path);
+  with RoPE over the whole head the kernel also applies the q/k norm and RoPE to the raw QKV
+  rows (its prologue), so a layer runs norm, QKV GEMM, attention, proj GEMM, norm, fc1 GEMM,
+  SwiGLU and fc2 GEMM (+ residual) and nothing else;
 * on CUDA captures the decode step once per (slots, length bucket) in a CUDA graph: one
   replay per token instead of hundreds of launches. Graphs are dropped when a weight tensor is
   re-allocated (pointer check) or on `release()`.
@@ -37,6 +40,7 @@ import torch.nn.functional as F
 from megatron_rl.models.norm import rms_norm_reference
 from megatron_rl.parallel import ParallelState
 from megatron_rl.rollout.decode_attention import (
+    Prologue,
     attend_block,
     decode_attention,
     length_bias,
@@ -281,18 +285,27 @@ class LeanDecoder:
         RoPE, softmax and SwiGLU; one compilation serves every layer and length bucket), plain
         eager functions on CPU (the same code the tests check)."""
         if self._fns is None:
-            fns = (qkv_block, attend_block, mlp_in_block)
+            fns = (qkv_raw_block if self._prologue else qkv_block, attend_block, mlp_in_block)
             if self.device.type == "cuda":
                 fns = tuple(torch.compile(f, dynamic=True) for f in fns)
             self._fns = fns
         return self._fns
 
+    @property
+    def _prologue(self) -> bool:
+        """The fused blocks hand the raw QKV rows to the Triton kernel, which applies the q/k
+        norm and RoPE itself (decode_attention.Prologue): the kernel path with RoPE over the
+        whole head."""
+        return self.attention == "triton" and self.inv_freq.numel() * 2 == self.head_dim
+
     def _decode_eager(self, kv_len: int) -> torch.Tensor:
         """One token per slot: self.tokens at self.positions -> logits [slots, V]."""
         pos = self.positions
-        cos, sin = self._cos[pos][:, None, :], self._sin[pos][:, None, :]  # [B, 1, rot]
         bias = length_bias(pos, kv_len) if self.attention == "torch" else None  # [B, 1, 1, S]
         x = self._embed(self.tokens)  # [B, H]
+        if self._blocks and self._prologue:  # the kernel reads cos/sin at pos itself
+            return self._logits(self._decode_blocks(x, None, None, bias, kv_len))
+        cos, sin = self._cos[pos][:, None, :], self._sin[pos][:, None, :]  # [B, 1, rot]
         if self._blocks:
             return self._logits(self._decode_blocks(x, cos, sin, bias, kv_len))
         for li, layer in enumerate(self.layers):
@@ -315,14 +328,21 @@ class LeanDecoder:
     def _decode_blocks(self, x, cos, sin, bias, kv_len):
         qkv_fn, attend_fn, mlp_fn = self._block_fns()
         eps = self.eps
+        per = self.heads // self.groups
         for li, layer in enumerate(self.layers):
             att, mlp = layer.self_attention, layer.mlp
             qn, kn = _qk_norm(att, "q_layernorm"), _qk_norm(att, "k_layernorm")
-            q, k, v = qkv_fn(x, layer.input_layernorm.weight, att.linear_qkv.weight,
-                             getattr(att.linear_qkv, "bias", None),
-                             None if qn is None else qn.weight, None if kn is None else kn.weight,
-                             cos, sin, eps, self.groups, self.heads // self.groups)
-            o = self._attend(li, q, k, v, bias, kv_len, attend_fn)
+            qn, kn = None if qn is None else qn.weight, None if kn is None else kn.weight
+            ln, qkv_w = layer.input_layernorm.weight, att.linear_qkv.weight
+            qkv_b = getattr(att.linear_qkv, "bias", None)
+            if self._prologue:  # q/k norm + RoPE inside the attention kernel
+                qkv = qkv_fn(x, ln, qkv_w, qkv_b, eps, self.groups, per)
+                o = decode_attention(qkv[:, :, :per], qkv[:, :, per], qkv[:, :, per + 1],
+                                     self.k[li], self.v[li], self.positions, self.scale, kv_len,
+                                     prologue=Prologue(self._cos, self._sin, qn, kn, eps))
+            else:
+                q, k, v = qkv_fn(x, ln, qkv_w, qkv_b, qn, kn, cos, sin, eps, self.groups, per)
+                o = self._attend(li, q, k, v, bias, kv_len, attend_fn)
             x, act = mlp_fn(x, self._all_reduce(F.linear(o, att.linear_proj.weight)),
                             layer.pre_mlp_layernorm.weight, mlp.linear_fc1.weight, eps)
             if self.tp is None:  # the residual add in fc2's GEMM epilogue (beta = 1): no kernel
@@ -400,6 +420,13 @@ def qkv_block(x, ln_w, qkv_w, qkv_b, qn_w, kn_w, cos, sin, eps: float, groups: i
     if qn_w is not None:
         q, k = rms_norm_reference(q, qn_w, eps), rms_norm_reference(k, kn_w, eps)
     return _rope_half(q, cos, sin), _rope_half(k, cos, sin), v.contiguous()
+
+
+def qkv_raw_block(x, ln_w, qkv_w, qkv_b, eps: float, groups: int, per: int):
+    """`qkv_block` up to its GEMM: [B, H] -> the projection rows [B, groups, per + 2, d] (q x
+    per, k, v per group), for the attention kernel's prologue (decode_attention.Prologue)."""
+    qkv = F.linear(rms_norm_reference(x, ln_w, eps), qkv_w, qkv_b)
+    return qkv.view(x.shape[0], groups, per + 2, -1)
 
 
 def mlp_in_block(x, attn_out, ln_w, fc1_w, eps: float):

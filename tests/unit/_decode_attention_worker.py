@@ -48,6 +48,45 @@ def kernel_case(c: dict) -> dict:
             "nan_safe": torch.equal(again, out)}
 
 
+def prologue_case(c: dict) -> dict:
+    """The kernel on raw QKV-projection rows with its prologue (q/k norm + RoPE) against
+    `qkv_block`'s torch norm + RoPE followed by the reference attention."""
+    from megatron_rl.models.norm import rms_norm_reference
+    from megatron_rl.rollout.decode_attention import Prologue
+    from megatron_rl.rollout.decoder import _rope_half
+
+    torch.manual_seed(1)
+    dtype = getattr(torch, c["dtype"])
+    B, g, per, d, L, kv_len = c["B"], c["g"], c["per"], c["d"], c["L"], c["kv_len"]
+    qkv = (torch.randn(B, g, per + 2, d) * 3).to(dtype)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    freqs = torch.outer(torch.arange(L, dtype=torch.float32), inv_freq)
+    emb = torch.cat((freqs, freqs), -1)
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    qn, kn = ((torch.rand(d) + 0.5).to(dtype) for _ in range(2)) if c["norm"] else (None, None)
+    eps = 1e-6
+    k_cache, v_cache = torch.randn(B, g, L, d).to(dtype), torch.randn(B, g, L, d).to(dtype)
+    pos = torch.randint(0, kv_len, (B,))
+    pos[0], pos[-1] = 0, kv_len - 1
+    q, k, v = qkv[:, :, :per].reshape(B, g * per, d), qkv[:, :, per], qkv[:, :, per + 1]
+    if c["norm"]:
+        q, k = rms_norm_reference(q, qn, eps), rms_norm_reference(k, kn, eps)
+    cs, sn = cos[pos][:, None, :], sin[pos][:, None, :]
+    # the fp32 arithmetic of the compiled qkv_block (the eager bf16 ops round at every step)
+    q = _rope_half(q.float(), cs.float(), sn.float()).to(dtype)
+    k = _rope_half(k.float(), cs.float(), sn.float()).to(dtype)
+    kc, vc = k_cache.clone(), v_cache.clone()
+    scale = d ** -0.5
+    ref = decode_attention_reference(q, k, v, k_cache, v_cache, pos, scale, kv_len)
+    out = decode_attention(qkv[:, :, :per], qkv[:, :, per], qkv[:, :, per + 1], kc, vc, pos,
+                           scale, kv_len, splits=c["splits"],
+                           prologue=Prologue(cos, sin, qn, kn, eps))
+    return {"max_diff": float((out.float() - ref.float()).abs().max()),
+            "scale": float(ref.float().abs().max()),
+            "cache_diff": float((kc.float() - k_cache.float()).abs().max()),
+            "v_equal": torch.equal(vc, v_cache)}
+
+
 def decoder_case(c: dict) -> dict:
     from helpers import make_tiny_hf
 
@@ -70,6 +109,7 @@ def decoder_case(c: dict) -> dict:
     sp = SamplingParams(temperature=0.0, max_new_tokens=8)
     want, got = (e.generate(prompts, 1, sp) for e in engines)
     assert engines[1]._lean._blocks == c["decoder"]
+    assert engines[1]._lean._prologue  # the fused blocks hand raw QKV rows to the kernel
     return {"tokens_equal": [s.response_ids for s in got] == [s.response_ids for s in want],
             "max_lp_diff": max(float((a.response_logprobs - b.response_logprobs).abs().max())
                                for a, b in zip(got, want))}
@@ -77,5 +117,6 @@ def decoder_case(c: dict) -> dict:
 
 if __name__ == "__main__":
     for case in json.loads(sys.argv[1]):
-        print(json.dumps(decoder_case(case) if "decoder" in case else kernel_case(case)),
-              flush=True)
+        fn = (decoder_case if "decoder" in case else prologue_case if "norm" in case
+              else kernel_case)
+        print(json.dumps(fn(case)), flush=True)

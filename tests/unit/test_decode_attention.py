@@ -5,8 +5,9 @@
   rounding, for pos 0 .. kv_len - 1 in one batch, 1, 2 and 3 query heads per KV head, one split
   and split-K, k/v given as strided views; keys beyond pos are never read (NaN there changes
   nothing). bf16 is left to the CUDA test: the interpreter's `tl.dot` multiplies bf16 operands
-  as raw integers. The lean decoder on the kernel gives the torch path's greedy tokens (fused
-  blocks and the generic path).
+  as raw integers. The prologue (raw QKV rows, q/k norm + RoPE in the kernel) within rounding
+  of qkv_block's. The lean decoder on the kernel gives the torch path's greedy tokens (fused
+  blocks, which use the prologue, and the generic path).
 - The option: `decode_attention="triton"` is refused on CPU (and without triton) naming the
   config field; auto and torch decode exactly as before (the Megatron-forward reference).
 - The split heuristic: one split when slots x kv heads fill the SMs, split-K when they do not.
@@ -57,6 +58,21 @@ def test_kernel_matches_reference_under_the_interpreter():
         tol = 1e-5 if c["dtype"] == "float32" else 2e-3 * r["scale"]
         assert r["max_diff"] <= tol, (c, r)
         assert r["cache_equal"] and r["nan_safe"], (c, r)
+
+
+def test_prologue_matches_qkv_block_under_the_interpreter():
+    """Raw QKV-projection rows (a strided view), q/k RMSNorm and RoPE in the kernel: within
+    rounding of qkv_block's norm + RoPE followed by the reference attention; the rotated key in
+    the cache too; with and without q/k norm, one split and split-K."""
+    cases = [dict(_case(per=2, d=32), norm=True), dict(_case(per=3, d=64, splits=3), norm=True),
+             dict(_case(per=1, d=16), norm=False), dict(_case(dtype="float16"), norm=True),
+             dict(_case(dtype="float16", splits=2, per=3, d=64), norm=False)]
+    for c, r in zip(cases, _interpreted(cases), strict=True):
+        fp32 = c["dtype"] == "float32"
+        tol = 1e-5 if fp32 else 2e-3 * r["scale"]
+        assert r["max_diff"] <= tol, (c, r)
+        assert r["cache_diff"] <= (1e-5 if fp32 else 4e-3 * 10), (c, r)  # |k| <~ 10 here
+        assert r["v_equal"], (c, r)
 
 
 def test_decoder_on_the_kernel_matches_the_torch_path_under_the_interpreter():
