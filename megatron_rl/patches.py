@@ -2,9 +2,9 @@
 
 Megatron-Core assumes CUDA in about ten places. On a machine without a GPU `apply_patches()`
 redirects each of them to the CPU, without editing Megatron's files; none of those is applied
-when CUDA is available. Three shims apply on GPU too: 10 covers a missing Transformer-Engine,
-12 removes a copy that does nothing and 13 applies packed (THD) RoPE in one pass (numbers
-unchanged); 14 applies on GPU only (the grad norm without a host sync per tensor). Each patch names the Megatron function
+when CUDA is available. Four shims apply on GPU too: 10 covers a missing Transformer-Engine,
+12 removes a copy that does nothing, 13 applies packed (THD) RoPE in one pass (numbers
+unchanged) and 15 compiles RoPE on CUDA tensors; 14 applies on GPU only (the grad norm without a host sync per tensor). Each patch names the Megatron function
 or module it covers; all were
 written for megatron-core 0.16.1 (`PINNED_MEGATRON_VERSION`), and `check_patch_targets()` (run by
 the tests) fails loudly when a version bump moves or removes a target. Why over 450 lines: every
@@ -28,6 +28,8 @@ The list (docs/design.md, "Megatron-Core on CPU"):
      rows, cos/sin built once per forward (on GPU too)
  14. without TE / apex, megatron's local multi-tensor l2 norm and scale -> torch's foreach
      kernels (GPU only: the local norm syncs the host once per parameter tensor)
+ 15. rope_utils._apply_rotary_pos_emb_bshd (and 13's rotation) on CUDA tensors -> one compiled
+     pass (CPU tensors: Megatron's eager code)
 """
 
 from __future__ import annotations
@@ -359,10 +361,12 @@ def _patch_thd_rope() -> None:
                             multi_latent_attention=multi_latent_attention, mscale=mscale,
                             cp_group=cp_group)
         cos, sin = cos_sin(cu_seqlens, freqs, int(t.shape[0]), mscale, t.dtype)
-        rot = freqs.shape[-1]
-        x, rest = t[..., :rot], t[..., rot:]
-        x = (x * cos) + (rope_utils._rotate_half(x, rotary_interleaved) * sin)
-        return torch.cat((x, rest), dim=-1)
+        if rotary_interleaved:
+            rot = freqs.shape[-1]
+            x, rest = t[..., :rot], t[..., rot:]
+            x = (x * cos) + (rope_utils._rotate_half(x, rotary_interleaved) * sin)
+            return torch.cat((x, rest), dim=-1)
+        return _rope_fn(t)(t, cos, sin)  # (shim 15: compiled on CUDA)
 
     _apply_rotary_pos_emb_thd._megatron_rl_one_pass = True
     rope_utils._apply_rotary_pos_emb_thd = _apply_rotary_pos_emb_thd
@@ -417,9 +421,62 @@ def _patch_multi_tensor_ops() -> None:
             mod.multi_tensor_scale_impl = _foreach_scale
 
 
+def rope_rotate(t, cos, sin):
+    """Non-interleaved RoPE of t [..., dim] by cos/sin [..., rot] (broadcasting), the channels
+    past rot passed through: the operations of Megatron's `_apply_rotary_pos_emb_bshd` once its
+    cos/sin are built (shim 15 compiles this on CUDA)."""
+    rot = cos.shape[-1]
+    x, rest = t[..., :rot], t[..., rot:]
+    x1, x2 = torch.chunk(x, 2, dim=-1)
+    x = (x * cos) + (torch.cat((-x2, x1), dim=-1) * sin)
+    return torch.cat((x, rest), dim=-1)
+
+
+_COMPILED_ROPE: list = []
+
+
+def _rope_fn(t):
+    """`rope_rotate`, compiled for CUDA tensors (one fused kernel forward and one backward
+    instead of six or more passes over [s, b, heads, dim]), as is for CPU ones."""
+    if not t.is_cuda:
+        return rope_rotate
+    if not _COMPILED_ROPE:
+        _COMPILED_ROPE.append(torch.compile(rope_rotate, dynamic=True))
+    return _COMPILED_ROPE[0]
+
+
+def _patch_compiled_rope() -> None:
+    """15. megatron-core 0.16.x RoPE without Transformer-Engine's fused kernel (the padded
+    layout's `_apply_rotary_pos_emb_bshd`, and shim 13's packed rotation): on CUDA tensors one
+    compiled pass (`rope_rotate`) -- Megatron's eager code runs t * cos, the half rotation
+    (chunk, neg, cat), * sin, the add and a cat with the pass-through channels as separate
+    kernels over the whole q / k tensors, forward and backward, in every layer. The same
+    operations; inductor keeps fp32 between them where eager rounds each to the activation
+    dtype, so bf16 results can differ by an ulp (tests/unit/test_patches.py). CPU tensors,
+    interleaved RoPE and multi-latent attention run Megatron's function."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    original = rope_utils._apply_rotary_pos_emb_bshd
+    if getattr(original, "_megatron_rl_compiled", False):
+        return
+
+    @functools.wraps(original)
+    def _apply_rotary_pos_emb_bshd(t, freqs, rotary_interleaved=False,
+                                   multi_latent_attention=False, mscale=1.0):
+        if rotary_interleaved or multi_latent_attention or not t.is_cuda:
+            return original(t, freqs, rotary_interleaved=rotary_interleaved,
+                            multi_latent_attention=multi_latent_attention, mscale=mscale)
+        cos = (torch.cos(freqs) * mscale).to(t.dtype)
+        sin = (torch.sin(freqs) * mscale).to(t.dtype)
+        return _rope_fn(t)(t, cos, sin)
+
+    _apply_rotary_pos_emb_bshd._megatron_rl_compiled = True
+    rope_utils._apply_rotary_pos_emb_bshd = _apply_rotary_pos_emb_bshd
+
+
 def apply_patches() -> bool:
-    """Apply every shim once: the TE-absence fix, the identity-sort skip and the one-pass THD
-    RoPE always, the foreach multi-tensor ops on CUDA, the CPU shims when there is no CUDA.
+    """Apply every shim once: the TE-absence fix, the identity-sort skip, the one-pass THD
+    RoPE and the compiled RoPE (CUDA tensors) always, the foreach multi-tensor ops on CUDA, the CPU shims when there is no CUDA.
 
     Returns True if the CPU shims were applied.
     """
@@ -429,6 +486,7 @@ def apply_patches() -> bool:
     _patch_missing_te()
     _patch_identity_chunk_sort()
     _patch_thd_rope()
+    _patch_compiled_rope()
     if torch.cuda.is_available():
         _patch_multi_tensor_ops()
     else:
@@ -452,6 +510,7 @@ def check_patch_targets() -> list[str]:
         "megatron.core.fusions.fused_softmax": ["get_default_causal_mask"],
         "megatron.core.transformer.moe.moe_utils": ["maybe_move_tensor_to_cpu"],
         "megatron.core.models.common.embeddings.rope_utils": ["_apply_rotary_pos_emb_thd",
+                                                              "_apply_rotary_pos_emb_bshd",
                                                               "_rotate_half"],
         "megatron.core.transformer.moe.token_dispatcher": [
             "maybe_move_tensor_to_cpu",

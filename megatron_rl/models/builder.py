@@ -19,6 +19,7 @@ Kept in one file so that a megatron-core upgrade (0.19 deprecates GPTModel) touc
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_local_spec,
@@ -93,6 +94,11 @@ def transformer_config(
         )
     arch = get_family(hf).transformer_config(hf)
     moe = "num_moe_experts" in arch
+    # Megatron's SwiGLU fusion is torch.compile'd (megatron.core.jit), no apex / TE: on CUDA,
+    # dense models, one kernel forward and one backward (saving only fc1's output) instead of
+    # chunk / silu / mul and their backward passes. CPU keeps the eager reference ops.
+    swiglu_fusion = (ps.device.type == "cuda" and not moe and arch.get("gated_linear_unit", False)
+                     and arch.get("activation_func") is F.silu)
     kwargs = dict(
         **arch,
         tensor_model_parallel_size=ps.tp_size,
@@ -105,8 +111,8 @@ def transformer_config(
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
         use_cpu_initialization=ps.device.type == "cpu",
-        # Fusions that need apex/TE kernels or CUDA: off; torch.compile-able paths stay.
-        bias_activation_fusion=False,
+        # Fusions that need apex/TE kernels: off; torch.compile-able paths stay.
+        bias_activation_fusion=swiglu_fusion,
         masked_softmax_fusion=False,
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,

@@ -107,6 +107,49 @@ def test_transformer_config_translation():
     assert dense_first.moe_layer_freq == [0, 1, 1, 1]
 
 
+def test_swiglu_fusion_on_cuda_dense_models_only():
+    """Megatron's compiled SwiGLU (bias_activation_fusion) is on for dense models on CUDA; CPU
+    runs the eager reference ops, and MoE experts keep their own activation path."""
+    from megatron_rl.models.builder import transformer_config
+
+    cuda = dataclasses.replace(_ps(), device=torch.device("cuda", 0))
+    assert transformer_config(QWEN3, cuda).bias_activation_fusion
+    assert not transformer_config(QWEN3, _ps()).bias_activation_fusion
+    assert not transformer_config(MOE, cuda).bias_activation_fusion
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fused_swiglu_matches_the_eager_mlp_cuda():
+    """On CUDA, a dense MLP with the fused SwiGLU against the eager one (same weights, bf16):
+    outputs and input / weight gradients within bf16 rounding."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.mlp import MLP, MLPSubmodules
+
+    from megatron_rl.config import ParallelConfig
+    from megatron_rl.models.builder import transformer_config
+    from megatron_rl.parallel import destroy_parallel, init_parallel
+
+    ps = init_parallel(ParallelConfig())
+    try:
+        subs = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
+        mlps = [MLP(transformer_config(QWEN3, ps, torch.bfloat16, bias_activation_fusion=f),
+                    subs).cuda() for f in (True, False)]
+        assert mlps[0].config.bias_activation_fusion and not mlps[1].config.bias_activation_fusion
+        mlps[1].load_state_dict(mlps[0].state_dict())
+        x0 = torch.randn(37, 3, 64, device="cuda", dtype=torch.bfloat16)
+        outs = []
+        for mlp in mlps:
+            x = x0.clone().requires_grad_(True)
+            y, _ = mlp(x)
+            y.float().pow(2).sum().backward()
+            outs.append((y.detach(), x.grad, mlp.linear_fc1.weight.grad))
+        for a, b in zip(*outs):
+            assert float((a.float() - b.float()).abs().max()) <= 2e-2 * float(b.float().abs().max())
+    finally:
+        destroy_parallel()
+
+
 def test_unsupported_rope_and_activation_name_the_field():
     from megatron_rl.models.builder import transformer_config
 

@@ -1,6 +1,10 @@
-"""Every CPU shim of megatron_rl.patches still finds its target in the installed megatron-core."""
+"""megatron_rl.patches: every shim still finds its target in the installed megatron-core, and
+the shims that change how a computation runs (13 packed RoPE, 14 foreach grad norm, 15 compiled
+RoPE) give Megatron's numbers."""
 
 from __future__ import annotations
+
+import pytest
 
 
 def test_check_patch_targets_is_empty():
@@ -101,3 +105,74 @@ def test_foreach_multi_tensor_ops_match_megatron_local_ones():
         _foreach_scale(0, None, [grads, dst_ours], scale)  # main params -> model params
         utils.local_multi_tensor_scale(0, None, [grads, dst_theirs], scale)
         assert all(torch.equal(x, y) for x, y in zip(dst_ours, dst_theirs))
+
+
+def _bshd_case(dtype, rot, device="cpu"):
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    s, b, h, dim = 7, 3, 4, 16
+    inv = 1.0 / (10000 ** (torch.arange(0, rot, 2).float() / rot))
+    f = torch.outer(torch.arange(s).float(), inv)
+    freqs = torch.cat((f, f), dim=-1)[:, None, None, :].to(device)  # [s, 1, 1, rot]
+    x = torch.randn(s, b, h, dim, generator=g).to(device, dtype)
+    grad = torch.linspace(-1, 1, x.numel()).view_as(x).to(device, dtype)
+    return x, freqs, grad
+
+
+def _rope_and_grad(fn, x, freqs, grad, **kw):
+    t = x.clone().requires_grad_(True)
+    y = fn(t, freqs, **kw)
+    y.backward(grad)
+    return y.detach(), t.grad
+
+
+def test_rope_rotate_is_megatrons_bshd_rope():
+    """Shim 15's function, uncompiled, is Megatron's bshd RoPE bit for bit (outputs and input
+    gradients, fp32 and bf16, partial rotary dim): the compiled pass on CUDA compiles these same
+    operations. Compiled here by inductor (CPU), fp32: within rounding of Megatron's."""
+    import torch
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from megatron_rl.patches import apply_patches, rope_rotate
+
+    apply_patches()
+    original = rope_utils._apply_rotary_pos_emb_bshd.__wrapped__
+
+    def ours(t, freqs, mscale=1.0, fn=rope_rotate):
+        return fn(t, (torch.cos(freqs) * mscale).to(t.dtype), (torch.sin(freqs) * mscale).to(t.dtype))
+
+    for dtype, rot, mscale in ((torch.float32, 16, 1.0), (torch.bfloat16, 8, 1.0),
+                               (torch.float32, 12, 0.7)):
+        x, freqs, grad = _bshd_case(dtype, rot)
+        want = _rope_and_grad(original, x, freqs, grad, mscale=mscale)
+        got = _rope_and_grad(ours, x, freqs, grad, mscale=mscale)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (dtype, rot)
+    compiled = torch.compile(rope_rotate, dynamic=True)
+    x, freqs, grad = _bshd_case(torch.float32, 16)
+    want = _rope_and_grad(original, x, freqs, grad)
+    got = _rope_and_grad(lambda t, f: ours(t, f, fn=compiled), x, freqs, grad)
+    assert torch.allclose(got[0], want[0], atol=1e-6) and torch.allclose(got[1], want[1], atol=1e-6)
+
+
+@pytest.mark.gpu
+def test_compiled_rope_on_cuda_matches_megatron():
+    """Shim 15 on CUDA (`gpu`): the patched bshd RoPE against Megatron's eager one, bf16 within
+    an ulp of the largest value (eager rounds between its ops), fp32 within 1e-5."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from megatron_rl.patches import apply_patches
+
+    apply_patches()
+    patched = rope_utils._apply_rotary_pos_emb_bshd
+    for dtype, rot, tol in ((torch.bfloat16, 16, 2 ** -7), (torch.float32, 12, 1e-5)):
+        x, freqs, grad = _bshd_case(dtype, rot, "cuda")
+        want = _rope_and_grad(patched.__wrapped__, x, freqs, grad)
+        got = _rope_and_grad(patched, x, freqs, grad)
+        for a, b in zip(got, want):
+            scale = float(b.float().abs().max())
+            assert float((a.float() - b.float()).abs().max()) <= tol * scale, (dtype, rot)

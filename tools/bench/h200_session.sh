@@ -51,7 +51,8 @@ for stage in "$@"; do
     rollout_ab) run "$stage" python3 tools/bench/rollout.py --prompts 64 --prompt-len 96 --new 512 --skip-hf \
            --decode-attention triton --decode-attention torch ;;
     gpu_dec) run "$stage" python3 -m pytest -m gpu tests/unit/test_decode_attention.py tests/unit/test_engine.py \
-           tests/unit/test_darts_streaming.py tests/unit/test_patches.py -q -ra -p no:cacheprovider ;;
+           tests/unit/test_darts_streaming.py tests/unit/test_patches.py tests/unit/test_models_builder.py \
+           -q -ra -p no:cacheprovider ;;
     rollout) run "$stage" python3 tools/bench/rollout.py ;;
     gpu_outlp) run "$stage" python3 -m pytest -m gpu tests/unit/test_output_logprobs.py -q -ra -p no:cacheprovider ;;
     layouts_uniform) run "$stage" python3 tools/bench/actor_layouts.py --uniform ;;
