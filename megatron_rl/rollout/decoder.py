@@ -116,6 +116,9 @@ class LeanDecoder:
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
         self._weight_ptrs: tuple[int, ...] = ()
+        self.attention_splits: int | None = None
+        """Key-axis splits of the Triton decode attention (None: decode_attention.launch_config's
+        choice); set by benchmarks to compare."""
         self.fused_blocks = fused_blocks
         self._blocks = fused_blocks and self._blocks_ok()
         self._fns = None
@@ -320,7 +323,8 @@ class LeanDecoder:
         to keys 0..position -> [B, heads*d] (GQA: the query heads of a KV head share its keys)."""
         pos = self.positions
         if self.attention == "triton":
-            return decode_attention(q, k, v, self.k[li], self.v[li], pos, self.scale, kv_len)
+            return decode_attention(q, k, v, self.k[li], self.v[li], pos, self.scale, kv_len,
+                                    splits=self.attention_splits)
         self.k[li, self._slot_index, :, pos] = k
         self.v[li, self._slot_index, :, pos] = v
         return attend_fn(q, self.k[li, :, :, :kv_len], self.v[li, :, :, :kv_len], bias, self.scale)
@@ -339,6 +343,7 @@ class LeanDecoder:
                 qkv = qkv_fn(x, ln, qkv_w, qkv_b, eps, self.groups, per)
                 o = decode_attention(qkv[:, :, :per], qkv[:, :, per], qkv[:, :, per + 1],
                                      self.k[li], self.v[li], self.positions, self.scale, kv_len,
+                                     splits=self.attention_splits,
                                      prologue=Prologue(self._cos, self._sin, qn, kn, eps))
             else:
                 q, k, v = qkv_fn(x, ln, qkv_w, qkv_b, qn, kn, cos, sin, eps, self.groups, per)

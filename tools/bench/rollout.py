@@ -77,8 +77,12 @@ def main() -> None:
                          "and the N ops with the most device self time (`profile_top`)")
     ap.add_argument("--decode-attention", action="append", choices=["auto", "triton", "torch"],
                     help="rollout.decode_attention of an arm (repeatable; default: auto)")
+    ap.add_argument("--attention-splits", action="append", type=int,
+                    help="key-axis splits of the Triton decode attention (repeatable: one arm per "
+                         "value and --decode-attention; default: the kernel's heuristic)")
     args = ap.parse_args()
-    arms = args.decode_attention or ["auto"]
+    arms = [(a, s) for a in (args.decode_attention or ["auto"])
+            for s in (args.attention_splits or [None])]
     if args.quick:
         args.prompts, args.prompt_len, args.new = 8, 16, 16
     shape = TINY if args.quick else QWEN3_06B
@@ -94,7 +98,7 @@ def main() -> None:
     from megatron_rl.rollout.engine import SamplingParams
     from megatron_rl.rollout.local import LocalEngine
 
-    for arm in arms:  # refuse an arm that cannot run before anything is built or timed
+    for arm, _ in arms:  # refuse an arm that cannot run before anything is built or timed
         resolve_decode_attention(arm, torch.cuda.is_available())
     torch.manual_seed(0)
     hf_cfg = transformers.Qwen3Config(**shape)
@@ -118,10 +122,14 @@ def main() -> None:
     sp = SamplingParams(temperature=1.0, max_new_tokens=args.new, stop_token_ids=[], seed=0,
                         logprobs=True)
     runs = []
-    for arm in arms:
+    for arm, splits in arms:
         engine = LocalEngine(module, ps, pad_id=0, max_batch_size=args.prompts,
                              decode_attention=arm)
-        note(f"decode_attention={arm} ({engine._lean.attention}): warm-up (a full-size call: "
+        if splits and engine._lean.attention != "triton":
+            sys.exit(f"--attention-splits {splits}: the arm decodes on the "
+                     f"{engine._lean.attention} path, which has no key-axis splits")
+        engine._lean.attention_splits = splits
+        note(f"decode_attention={arm} ({engine._lean.attention}, splits {splits}): warm-up (a full-size call: "
              "compiles the decode blocks and captures one CUDA graph per length bucket)")
         t0 = time.perf_counter()
         engine.generate(prompts, 1, sp)
@@ -135,7 +143,7 @@ def main() -> None:
         assert sum(len(s.response_ids) for s in samples) == total_new
         note(f"built-in engine: {total_new / ours:.0f} tokens/s")
         prof_out = profile(engine, prompts, sp, args.profile) if args.profile else {}
-        runs.append((arm, engine._lean.attention, total_new / ours, first_call_s, prof_out))
+        runs.append((arm, splits, engine._lean.attention, total_new / ours, first_call_s, prof_out))
         del engine  # its KV cache and graphs
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -161,12 +169,13 @@ def main() -> None:
         hf_tps = total_new / hf_s
 
     shape_name = "tiny" if args.quick else "qwen3-0.6b"
-    for arm, used, ours_tps, first_call_s, prof_out in runs:
+    for arm, splits, used, ours_tps, first_call_s, prof_out in runs:
         out.append({"bench": "rollout", "engine": "megatron-rl local", "shape": shape_name,
                     "prompts": args.prompts, "prompt_len": args.prompt_len,
                     "new_tokens": args.new, "decode_attention": arm,
-                    "decode_attention_used": used, "tokens_per_s": round(ours_tps, 1),
-                    "vs_first_arm": round(ours_tps / runs[0][2], 3),
+                    "decode_attention_used": used, "attention_splits": splits or "auto",
+                    "tokens_per_s": round(ours_tps, 1),
+                    "vs_first_arm": round(ours_tps / runs[0][3], 3),
                     "baseline_transformers_tokens_per_s": round(hf_tps, 1) if hf_tps else None,
                     "ratio": round(ours_tps / hf_tps, 2) if hf_tps else None, "device": dev,
                     "first_call_s": round(first_call_s, 2), **prof_out})
