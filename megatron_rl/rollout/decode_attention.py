@@ -108,11 +108,11 @@ def decode_attention_reference(q, k_new, v_new, k_cache, v_cache, pos, scale: fl
 # -- the Triton path ------------------------------------------------------------------------------
 def launch_config(programs: int, kv_len: int, head_dim: int, itemsize: int,
                   sms: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N, splits, num_warps, num_stages) for `programs` = slots x kv heads over a kv_len
-    bucket on `sms` SMs. K and V tiles of 8 KiB (32 keys of bf16 d=128) in 3 pipeline stages:
-    ~50 KiB of shared memory per program, so ~4 programs stay resident per SM (an H200 holds
+    """(BLOCK_N, splits, num_warps, num_stages) for `programs` = slots x kv heads over kv_len
+    keys (`decode_attention` passes the cache's length) on `sms` SMs. K and V tiles of 8 KiB
+    (32 keys of bf16 d=128) in 3 pipeline stages: ~50 KiB of shared memory per program, so ~4 programs stay resident per SM (an H200 holds
     64 slots x 8 kv heads in one wave) with two tiles each in flight. The key axis is split
-    until there are >= 2 programs per SM, each split keeping >= 2 tiles of the bucket."""
+    until there are >= 2 programs per SM, each split keeping >= 2 tiles of kv_len."""
     block_n = max(16, min(64, 8192 // (head_dim * itemsize)))
     splits = max(1, min(-(-2 * sms // programs), kv_len // (2 * block_n)))
     return block_n, splits, 4, 3
@@ -159,8 +159,10 @@ def decode_attention(q, k_new, v_new, k_cache, v_cache, pos, scale: float, kv_le
         raise ValueError("decode_attention: the feature (last) axis must be contiguous")
     if k_cache.stride() != v_cache.stride():
         raise ValueError("decode_attention: the K and V caches must have the same layout")
-    block_n, auto_splits, warps, stages = launch_config(B * g, kv_len, d, k_cache.element_size(),
-                                                        _sm_count(q.device))
+    # splits from the cache's length, not the bucket's: a slot's numbers then do not depend on
+    # which length bucket the step runs in (the engine's deferred stop check relies on it)
+    block_n, auto_splits, warps, stages = launch_config(B * g, k_cache.shape[2], d,
+                                                        k_cache.element_size(), _sm_count(q.device))
     splits = splits or auto_splits
     out = torch.empty(B, heads * d, dtype=k_cache.dtype, device=q.device)
     if splits == 1:

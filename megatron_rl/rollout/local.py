@@ -129,6 +129,11 @@ class LocalEngine:
         self.decoder_kind = "lean" if decoder == "auto" else decoder
         self.prefill_tokens = prefill_tokens
         self.keep_graphs = True
+        self.defer_stop_check = True
+        """Lean decoder on the Triton attention path: read each decode step's stop flags one
+        step later, without a host sync per step (`_generate_continuous`); False: the per-step
+        check (the reference the tests compare against)."""
+        self.deferred_checks = 0  # decode steps whose stop flags were read late (tests, benches)
         self.record_routing = record_routing
         self._lean = (LeanDecoder(module, ps, cuda_graphs, decode_attention=decode_attention)
                       if self.decoder_kind == "lean" else None)
@@ -467,6 +472,54 @@ class LocalEngine:
                         done.append((slot, "length"))
             finish_all(done)
 
+        # Deferred stop check (docs/engines.md): with nothing left to refill, no DARTS counters,
+        # no listener, no stop strings and no abort, a stop token only ends its own slot, so the
+        # host need not wait for each step's tokens: step t's stop flags travel to the host
+        # while step t + 1 decodes, and the slots that stopped at t finish then, with their
+        # tokens up to t (the extra token decoded for them is dropped). No other slot's numbers
+        # change: each slot decodes independently and the Triton kernel's launch does not
+        # depend on the length bucket. On the torch attention path the bucket changes the
+        # matmuls' shapes, so it keeps the per-step check.
+        pending: list = []  # [(flags on the host, event, slots)] of the last decode step
+
+        def defer_ok() -> bool:
+            return (self.defer_stop_check and bool(sp.stop_token_ids) and not queue
+                    and counters is None
+                    and listener is None and not host_tokens and not self._aborted
+                    and dec.attention == "triton")
+
+        def finish_flagged(entry, late: bool) -> np.ndarray:
+            """Finish the slots of `entry` whose token was a stop token; `late`: one more step
+            was decoded for them since (its token is not theirs). Returns those slots."""
+            flags, event, slots = entry
+            if event is not None:
+                event.synchronize()
+            hit = slots[flags.numpy()[slots]]
+            if late:
+                count[hit] -= 1
+            finish_all([(int(s_), "stop") for s_ in hit])
+            return hit
+
+        def after_sample_deferred(slots: np.ndarray, tokens: torch.Tensor) -> None:
+            """`after_sample` of a decode step whose stop flags are read one step later (or now,
+            when a slot reaches its token limit: stop > length)."""
+            self.deferred_checks += 1
+            if pending:
+                slots = slots[~np.isin(slots, finish_flagged(pending.pop(), late=True))]
+            cuda = dev.type == "cuda"
+            flags = torch.isin(tokens, stop_ids).to("cpu", non_blocking=cuda)  # (pinned)
+            event = torch.cuda.Event() if cuda else None
+            if event is not None:
+                event.record()
+            entry = (flags, event, slots)
+            full = count[slots] >= limit[slots]
+            if not full.any():
+                pending.append(entry)
+                return
+            stopped = finish_flagged(entry, late=False)
+            full = slots[full & ~np.isin(slots, stopped)]
+            finish_all([(int(s_), "length") for s_ in full])
+
         def refill(free: list[int]) -> None:
             take = []
             while queue and len(take) < len(free):
@@ -540,7 +593,12 @@ class LocalEngine:
             dec.positions += active_dev
             count[act] += 1
             pos[act] += 1
-            after_sample(act, tokens, act)  # decode rows are slots
+            if defer_ok():
+                after_sample_deferred(act, tokens)
+            else:
+                if pending:  # the mode changed (an abort arrived): the deferred flags first
+                    act = act[~np.isin(act, finish_flagged(pending.pop(), late=True))]
+                after_sample(act, tokens, act)  # decode rows are slots
             prune()
         return results
 

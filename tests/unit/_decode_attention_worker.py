@@ -115,8 +115,42 @@ def decoder_case(c: dict) -> dict:
                                for a, b in zip(got, want))}
 
 
+def deferred_case(c: dict) -> dict:
+    """The engine on the kernel with the deferred stop check against the per-step check:
+    sampled (T = 1, same seed), frequent stop tokens, continuous batching with refills, token
+    limits reached together with stop tokens -> every sample's tokens, log-probs and finish
+    reason equal."""
+    from helpers import make_tiny_hf
+
+    from megatron_rl.actor.loading import ModelSource, build_module
+    from megatron_rl.config import ModelConfig, ParallelConfig
+    from megatron_rl.parallel import init_parallel
+    from megatron_rl.rollout.engine import SamplingParams
+    from megatron_rl.rollout.local import LocalEngine
+
+    ps = init_parallel(ParallelConfig())
+    hf_dir = make_tiny_hf("qwen3", tempfile.mkdtemp(), seed=7)
+    hf = json.load(open(f"{hf_dir}/config.json"))
+    module, _ = build_module(ModelSource(hf, None, hf_dir), ps, ModelConfig(dtype="fp32"))
+    prompts = [list(range(3, 3 + n)) for n in (9, 2, 40, 1, 30, 5, 17)]
+    sp = SamplingParams(temperature=1.0, max_new_tokens=c["max_new"],
+                        stop_token_ids=list(range(0, hf["vocab_size"], 9)), seed=0)
+    runs, deferred_steps = [], []
+    for defer in (True, False):
+        e = LocalEngine(module, ps, pad_id=0, max_batch_size=3, decode_attention="torch", seed=3)
+        e._lean.attention = "triton"
+        e.defer_stop_check = defer
+        runs.append(e.generate(prompts, 2, sp))
+        deferred_steps.append(e.deferred_checks)
+    same = all(a.response_ids == b.response_ids and a.finish_reason == b.finish_reason
+               and torch.equal(a.response_logprobs, b.response_logprobs)
+               for a, b in zip(*runs, strict=True))
+    return {"equal": same, "reasons": sorted({s.finish_reason for s in runs[0]}),
+            "lengths": [len(s.response_ids) for s in runs[0]], "deferred": deferred_steps}
+
+
 if __name__ == "__main__":
     for case in json.loads(sys.argv[1]):
         fn = (decoder_case if "decoder" in case else prologue_case if "norm" in case
-              else kernel_case)
+              else deferred_case if "max_new" in case else kernel_case)
         print(json.dumps(fn(case)), flush=True)

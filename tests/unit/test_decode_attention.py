@@ -75,6 +75,16 @@ def test_prologue_matches_qkv_block_under_the_interpreter():
         assert r["v_equal"], (c, r)
 
 
+def test_deferred_stop_check_equals_the_per_step_check_under_the_interpreter():
+    """The engine reads stop flags one decode step late once nothing is left to refill: every
+    sample (tokens, log-probs, finish reason) equals the per-step check's, with stops and
+    token limits both ending samples."""
+    for r in _interpreted([{"max_new": 6}, {"max_new": 13}]):
+        assert r["equal"], r
+        assert r["reasons"] == ["length", "stop"], r  # both kinds of ending were exercised
+        assert r["deferred"][0] >= 3 and r["deferred"][1] == 0, r  # the late reads happened
+
+
 def test_decoder_on_the_kernel_matches_the_torch_path_under_the_interpreter():
     for r in _interpreted([{"decoder": True}, {"decoder": False}]):
         assert r["tokens_equal"] and r["max_lp_diff"] < 1e-5, r
@@ -239,5 +249,39 @@ def test_cuda_graph_decoder_on_the_kernel_matches_torch(tmp_path):
             dec.positions.copy_(torch.tensor([len(p) for p in prompts]))
             logits.append(dec.decode(kv_len=128).float())
         assert float((logits[0] - logits[1]).abs().max()) < 5e-2 * float(logits[1].abs().max())
+    finally:
+        destroy_parallel()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_deferred_stop_check_equals_per_step_check_cuda(tmp_path):
+    """CUDA graphs, bf16, sampling with frequent stop tokens and slot refills: the deferred stop
+    check (flags read a step late, no host sync per step) gives every sample's tokens,
+    log-probs and finish reason of the per-step check."""
+    pytest.importorskip("triton")
+    from megatron_rl.config import ParallelConfig
+    from megatron_rl.parallel import destroy_parallel, init_parallel
+
+    ps = init_parallel(ParallelConfig())
+    try:
+        hf_dir = make_tiny_hf("qwen3", tmp_path / "hf", seed=7)
+        hf = json.load(open(f"{hf_dir}/config.json"))
+        module, _ = build_module(ModelSource(hf, None, hf_dir), ps, ModelConfig(dtype="bf16"))
+        prompts = [list(range(3, 3 + n)) for n in (90, 7, 60, 120, 1, 33, 12)]
+        sp = SamplingParams(temperature=1.0, max_new_tokens=40,
+                            stop_token_ids=list(range(0, hf["vocab_size"], 11)), seed=0)
+        runs, checks = [], []
+        for defer in (True, False):
+            e = LocalEngine(module, ps, pad_id=0, max_batch_size=4, decode_attention="triton",
+                            seed=3)
+            e.defer_stop_check = defer
+            runs.append(e.generate(prompts, 3, sp))
+            checks.append(e.deferred_checks)
+        assert checks[0] > 0 and checks[1] == 0
+        assert {s.finish_reason for s in runs[0]} == {"stop", "length"}
+        for a, b in zip(*runs, strict=True):
+            assert a.response_ids == b.response_ids and a.finish_reason == b.finish_reason
+            assert torch.equal(a.response_logprobs, b.response_logprobs)
     finally:
         destroy_parallel()
