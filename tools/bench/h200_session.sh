@@ -53,6 +53,8 @@ for stage in "$@"; do
     gpu_dec) run "$stage" python3 -m pytest -m gpu tests/unit/test_decode_attention.py tests/unit/test_engine.py \
            tests/unit/test_darts_streaming.py tests/unit/test_patches.py tests/unit/test_models_builder.py \
            -q -ra -p no:cacheprovider ;;
+    gpu_defer) run "$stage" python3 -m pytest -m gpu tests/unit/test_decode_attention.py -q -ra \
+           -p no:cacheprovider ;;
     rollout) run "$stage" python3 tools/bench/rollout.py ;;
     gpu_outlp) run "$stage" python3 -m pytest -m gpu tests/unit/test_output_logprobs.py -q -ra -p no:cacheprovider ;;
     layouts_uniform) run "$stage" python3 tools/bench/actor_layouts.py --uniform ;;
