@@ -9,7 +9,9 @@ Two decoders behind the same `generate`:
 * `decoder="lean"` (the default, `auto`): `rollout.decoder.LeanDecoder` -- an engine-owned
   [layers, slots, kv_heads, len, d] KV cache, a CUDA-graphed decode step on GPU, and continuous
   batching: `max_batch_size` slots decode together, a slot whose sample finished is refilled
-  from the waiting requests (prefilled in length-sorted chunks) while the others go on.
+  from the waiting requests (prefilled in length-sorted chunks) while the others go on. Once
+  nothing is left to refill, stop tokens are checked one step late (no host sync per token;
+  `defer_stop_check`), with the same samples as the per-step check.
 * `decoder="megatron"`: the slow reference. Megatron's own forward with its static KV cache
   (`StaticInferenceContext`): prompts left-padded to a common length (RoPE scores depend only
   on query-key distance, so a left-padded sample sees exactly its own logits), one prefill, one
@@ -472,7 +474,7 @@ class LocalEngine:
                         done.append((slot, "length"))
             finish_all(done)
 
-        # Deferred stop check (docs/engines.md): with nothing left to refill, no DARTS counters,
+        # Deferred stop check: with nothing left to refill, no DARTS counters,
         # no listener, no stop strings and no abort, a stop token only ends its own slot, so the
         # host need not wait for each step's tokens: step t's stop flags travel to the host
         # while step t + 1 decodes, and the slots that stopped at t finish then, with their
