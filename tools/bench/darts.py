@@ -5,7 +5,8 @@
 
 The task is built here, so nothing is downloaded. A prompt `copy 482913:` asks for its six
 digits back; a demonstration is the answer, a `;`, then a filler of dots whose length is
-log-normal (median 24 tokens, sigma 1.1, capped below max_new_tokens), then EOS -- so the
+log-normal (median 24 tokens, sigma 1.1, capped below max_new_tokens; `--filler-median`,
+`--filler-sigma`, `--max-new` change them), then EOS -- so the
 lengths of one prompt's samples are heavy-tailed by construction, and the answer comes first,
 so a sample's length says nothing about its reward (the fraction of digits right). The teacher writes one wrong digit 40% of
 the time (the SFT'd policy inherits that error rate: groups carry a learning signal). The
@@ -70,8 +71,10 @@ def copy_reward(response: str, ground_truth, *, prompt: str, sample) -> float:
     return max(0.0, right / len(want))
 
 
-def write_task(out: str, n_rows: int, max_new: int, seed: int = 0) -> dict[str, str]:
-    """sft.jsonl (prompt, response), train.jsonl and val.jsonl (prompt, ground truth)."""
+def write_task(out: str, n_rows: int, max_new: int, seed: int = 0, median: float = 24,
+               sigma: float = 1.1) -> dict[str, str]:
+    """sft.jsonl (prompt, response), train.jsonl and val.jsonl (prompt, ground truth); the
+    fillers' lengths log-normal(median, sigma), capped below max_new."""
     rng = random.Random(seed)
     cap = max_new - 9  # answer (6) + `;` + EOS fit beside the longest filler
     paths = {k: os.path.join(out, f"{k}.jsonl") for k in ("sft", "train", "val")}
@@ -83,7 +86,7 @@ def write_task(out: str, n_rows: int, max_new: int, seed: int = 0) -> dict[str, 
         if rng.random() < 0.4:  # the teacher's slip: one wrong digit
             j = rng.randrange(6)
             answer[j] = rng.choice([d for d in "0123456789" if d != answer[j]])
-        filler = "." * min(cap, int(math.exp(rng.gauss(math.log(24), 1.1))))
+        filler = "." * min(cap, int(math.exp(rng.gauss(math.log(median), sigma))))
         row = {"prompt": prompt, "reward_model": {"ground_truth": digits}}
         files["sft"].write(json.dumps({"prompt": prompt,
                                        "response": "".join(answer) + ";" + filler}) + "\n")
@@ -112,6 +115,13 @@ def main() -> None:
                     help="rollout.darts.stream_chunk of the streaming arm (0: B*n/4)")
     ap.add_argument("--mini-batches", type=int, default=2,
                     help="trainer.mini_batches_per_step of every arm (see the module docstring)")
+    ap.add_argument("--max-new", type=int, default=None,
+                    help="rollout.max_new_tokens and the fillers' cap (default 512; tiny 64)")
+    ap.add_argument("--filler-median", type=float, default=24.0,
+                    help="median filler length of the demonstrations (tokens)")
+    ap.add_argument("--filler-sigma", type=float, default=1.1,
+                    help="log-normal sigma of the filler lengths: the tail's weight (DARTS' "
+                         "gain grows with it: the pool's tail is cut, GRPO waits for it)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--arms", default="grpo_s0,grpo_s1,darts_nostream_s0,darts_s0")
     ap.add_argument("--stack-dump-s", type=float, default=0,
@@ -133,9 +143,12 @@ def main() -> None:
     out = args.out or tempfile.mkdtemp(prefix="darts_bench_")
     os.makedirs(out, exist_ok=True)
     steps = args.steps or (3 if tiny else 10)
-    max_new = 64 if tiny else 512
-    paths = write_task(out, 2000 if tiny else 4000, max_new)
-    shape = json.dumps(TINY if tiny else QWEN3_06B, separators=(",", ":"))
+    max_new = args.max_new or (64 if tiny else 512)
+    paths = write_task(out, 2000 if tiny else 4000, max_new, median=args.filler_median,
+                       sigma=args.filler_sigma)
+    shape = dict(TINY if tiny else QWEN3_06B)
+    shape["max_position_embeddings"] = max(shape["max_position_embeddings"], max_new + 64)
+    shape = json.dumps(shape, separators=(",", ":"))
     model = [f"model.tiny={shape}", f"model.dtype={'fp32' if args.device == 'cpu' else 'bf16'}"]
     quiet = ["trainer.progress_bar=false", "trainer.tensorboard=false"]
     t0 = time.perf_counter()
