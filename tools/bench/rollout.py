@@ -43,26 +43,21 @@ def sync():
 
 
 def profile(engine, prompts, sp, top: int) -> dict:
-    """One engine call under torch.profiler: wall seconds, summed device self time (a device
-    that is busy for most of the wall time is the bound; otherwise the host is), top ops."""
+    """One engine call under torch.profiler, summarized as a profiled RL step is
+    (`megatron_rl.profiling.summarize`: wall and device-busy seconds, top ops)."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    from megatron_rl.profiling import summarize
+
+    cuda = torch.cuda.is_available()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     sync()
     t0 = time.perf_counter()
     with torch_profile(activities=acts) as prof:
         engine.generate(prompts, 1, sp)
         sync()
-    wall = time.perf_counter() - t0
-    key = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
-    events = prof.key_averages()
-    busy = sum(getattr(e, key, 0.0) for e in events if e.device_type.name != "CPU" or key ==
-               "self_cpu_time_total") / 1e6
-    events = sorted(events, key=lambda e: getattr(e, key, 0.0), reverse=True)
-    return {"profiled_wall_s": round(wall, 3), "device_self_s": round(busy, 3),
-            "profile_top": [[e.key[:80], round(getattr(e, key) / 1e3, 2), e.count]
-                            for e in events[:top]]}
+    return summarize(prof.key_averages(), time.perf_counter() - t0, cuda, top)
 
 
 def main() -> None:
