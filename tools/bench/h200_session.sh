@@ -56,6 +56,9 @@ for stage in "$@"; do
     gpu_defer) run "$stage" python3 -m pytest -m gpu tests/unit/test_decode_attention.py -q -ra \
            -p no:cacheprovider ;;
     rollout) run "$stage" python3 tools/bench/rollout.py ;;
+    attn_splits) run "$stage" python3 tools/bench/decode_attention_splits.py ;;
+    rollout_splits) run "$stage" python3 tools/bench/rollout.py --prompts 64 --prompt-len 96 --new 512 --skip-hf \
+           --decode-attention triton --attention-splits 1 --attention-splits 2 --attention-splits 4 ;;
     gpu_outlp) run "$stage" python3 -m pytest -m gpu tests/unit/test_output_logprobs.py -q -ra -p no:cacheprovider ;;
     layouts_uniform) run "$stage" python3 tools/bench/actor_layouts.py --uniform ;;
     actor) run "$stage" python3 tools/bench/actor.py --shape 1.7b --backend auto --recompute none ;;
