@@ -139,13 +139,17 @@ class Prologue(NamedTuple):
 
 
 def decode_attention(q, k_new, v_new, k_cache, v_cache, pos, scale: float, kv_len: int,
-                     splits: int | None = None, prologue: Prologue | None = None) -> torch.Tensor:
+                     splits: int | None = None, prologue: Prologue | None = None,
+                     prefix: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """`decode_attention_reference` in one fused launch (see the module docstring): q [B, h, d]
     (or [B, g, h/g, d], e.g. a view of the QKV projection), k_new/v_new [B, g, d],
     k_cache/v_cache [B, g, L, d] (a layer of the decoder's cache, written in place at pos), pos
     [B] long on the device, every pos[b] < kv_len -> [B, h*d] (cache dtype). splits: key-axis
     splits (None: `launch_config`'s). prologue: q and k_new are the raw projection rows; the
-    kernel applies the prologue's q/k norm and RoPE first (the cache gets the rotated key)."""
+    kernel applies the prologue's q/k norm and RoPE first (the cache gets the rotated key).
+    prefix (src [B], length [B], long on the device): slot b reads its keys 0..length[b] - 1
+    from slot src[b]'s cache rows instead of its own (a shared prompt; the caller guarantees the
+    rows are equal, so the result is the same); src[b] = b, length[b] = 0: no sharing."""
     g = k_cache.shape[1]
     if q.dim() == 3:
         q = q.view(q.shape[0], g, q.shape[1] // g, q.shape[2])
@@ -175,8 +179,9 @@ def decode_attention(q, k_new, v_new, k_cache, v_cache, pos, scale: float, kv_le
     norm = pro is not None and pro.q_norm is not None
     if pro is not None and (pro.q_norm is None) != (pro.k_norm is None):
         raise ValueError("decode_attention: the prologue has a q norm without a k norm or back")
+    src, plen = prefix if prefix is not None else (pos, pos)  # (unread without SHARED)
     _decode_kernel[(B, g, splits)](
-        q, k_new, v_new, k_cache, v_cache, pos, out, m_part, l_part, acc_part,
+        q, k_new, v_new, k_cache, v_cache, pos, src, plen, out, m_part, l_part, acc_part,
         pro.cos if pro else q, pro.sin if pro else q, pro.q_norm if norm else q,
         pro.k_norm if norm else q,
         q.stride(0), q.stride(1), q.stride(2), k_new.stride(0), k_new.stride(1),
@@ -185,7 +190,8 @@ def decode_attention(q, k_new, v_new, k_cache, v_cache, pos, scale: float, kv_le
         float(pro.eps) if pro else 0.0,
         PER=per, ROWS=max(16, triton.next_power_of_2(per)), D=d, BLOCK_N=block_n,
         DIRECT=splits == 1, PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
-        ROPE=pro is not None, QK_NORM=norm, num_warps=warps, num_stages=stages)
+        ROPE=pro is not None, QK_NORM=norm, SHARED=prefix is not None, num_warps=warps,
+        num_stages=stages)
     if splits > 1:
         _combine_kernel[(B, heads)](m_part, l_part, acc_part, out, splits,
                                     SPLITS=triton.next_power_of_2(splits), D=d, num_warps=4)
@@ -208,16 +214,18 @@ if triton is not None:
         return (x * cs[None, :] + sign[None, :] * x_rot * sn[None, :]).to(dtype)
 
     @triton.jit
-    def _decode_kernel(Q, KN, VN, KC, VC, POS, OUT, M_PART, L_PART, ACC_PART, COS, SIN, QN, KNW,
+    def _decode_kernel(Q, KN, VN, KC, VC, POS, PSRC, PLEN, OUT, M_PART, L_PART, ACC_PART, COS,
+                       SIN, QN, KNW,
                        sq_b, sq_g, sq_h, skn_b, skn_g, svn_b, svn_g, sc_b, sc_g, sc_n, s_cos,
                        qk_scale, splits, eps,
                        PER: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr,
                        BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, PRECISION: tl.constexpr,
-                       ROPE: tl.constexpr, QK_NORM: tl.constexpr):
+                       ROPE: tl.constexpr, QK_NORM: tl.constexpr, SHARED: tl.constexpr):
         """Program (slot, kv head, split): (ROPE: q/k norm and RoPE of the raw rows first) write
         the new K/V if pos is in its key range, then an online softmax over that range's keys
         <= pos (scores in log2 units: qk_scale holds log2(e)). DIRECT: the one split stores the
-        output, else fp32 partials."""
+        output, else fp32 partials. SHARED: keys below PLEN[b] come from slot PSRC[b]'s rows
+        (the slots of one prompt read one copy of it, which the L2 cache then serves)."""
         b, kh, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rows = tl.arange(0, ROWS)
         dd = tl.arange(0, D)
@@ -247,8 +255,11 @@ if triton is not None:
         lo = s * run
         hi = tl.minimum(lo + run, p + 1)
         own = (lo <= p) & (p < hi)  # this split holds the new key
-        kc = KC + b * sc_b + kh * sc_g
-        vc = VC + b * sc_b + kh * sc_g
+        kc = KC + b.to(tl.int64) * sc_b + kh * sc_g
+        vc = VC + b.to(tl.int64) * sc_b + kh * sc_g
+        if SHARED:  # from this slot's rows to the prefix source's
+            shift = (tl.load(PSRC + b) - b) * sc_b
+            plen = tl.load(PLEN + b)
         kn = kn.to(dtype)
         vn = tl.load(VN + b * svn_b + kh * svn_g + dd).to(VC.dtype.element_ty)
         mine = dd < tl.where(own, D, 0)  # all of the vector or none of it
@@ -261,14 +272,17 @@ if triton is not None:
         for start in range(lo, tl.minimum(hi, p), BLOCK_N):  # the cached keys, < pos
             n = start + nn
             ok = n < p
-            k = tl.load(kc + n[:, None] * sc_n + dd[None, :], mask=ok[:, None], other=0.0)
+            at = n.to(tl.int64) * sc_n
+            if SHARED:
+                at += tl.where(n < plen, shift, 0)
+            k = tl.load(kc + at[:, None] + dd[None, :], mask=ok[:, None], other=0.0)
             qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
             qk = tl.where(ok[None, :], qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             alpha = tl.exp2(m_i - m_new)
             prob = tl.exp2(qk - m_new[:, None])
             l_i = l_i * alpha + tl.sum(prob, 1)
-            v = tl.load(vc + n[:, None] * sc_n + dd[None, :], mask=ok[:, None], other=0.0)
+            v = tl.load(vc + at[:, None] + dd[None, :], mask=ok[:, None], other=0.0)
             acc = acc * alpha[:, None] + tl.dot(prob.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
         row = b * tl.num_programs(1) * PER + heads  # of the [B * heads] output rows

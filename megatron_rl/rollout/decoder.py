@@ -137,6 +137,8 @@ class LeanDecoder:
         self.tokens = torch.zeros(slots, dtype=torch.long, device=self.device)
         self.positions = torch.zeros(slots, dtype=torch.long, device=self.device)
         self._slot_index = torch.arange(slots, device=self.device)
+        self.prefix_src = torch.arange(slots, device=self.device)
+        self.prefix_len = torch.zeros(slots, dtype=torch.long, device=self.device)
         freqs = torch.outer(torch.arange(max_len, device=self.device, dtype=torch.float32),
                             self.inv_freq.to(self.device, torch.float32))
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -147,6 +149,23 @@ class LeanDecoder:
     def has_graphs(self) -> bool:
         """Decode CUDA graphs are captured (and hold pointers into the KV cache)."""
         return bool(self._graphs)
+
+    def copy_prefix(self, dst: list[int], src: list[int], length: int) -> None:
+        """Copy the cache rows 0..length - 1 of slots `src` into slots `dst` (one each): a
+        prompt prefilled once for several slots."""
+        d = torch.tensor(dst, device=self.device)
+        s = torch.tensor(src, device=self.device)
+        self.k[:, d, :, :length] = self.k[:, s, :, :length]
+        self.v[:, d, :, :length] = self.v[:, s, :, :length]
+
+    def point_prefix(self, dst: list[int], src: list[int], lengths: list[int]) -> None:
+        """Slot dst[i] reads its keys 0..lengths[i] - 1 from slot src[i]'s rows, which equal its
+        own (`copy_prefix`; src[i] = dst[i], length 0: its own rows again). The Triton decode
+        attention then streams one copy of a shared prompt, which the L2 cache serves to the
+        other slots; the torch path reads every slot's own rows (the same numbers)."""
+        d = torch.tensor(dst, device=self.device)
+        self.prefix_src[d] = torch.tensor(src, device=self.device)
+        self.prefix_len[d] = torch.tensor(lengths, device=self.device)
 
     def release(self) -> None:
         """Free the KV cache and the captured graphs (engine.sleep)."""
@@ -324,10 +343,14 @@ class LeanDecoder:
         pos = self.positions
         if self.attention == "triton":
             return decode_attention(q, k, v, self.k[li], self.v[li], pos, self.scale, kv_len,
-                                    splits=self.attention_splits)
+                                    splits=self.attention_splits, prefix=self._prefix())
         self.k[li, self._slot_index, :, pos] = k
         self.v[li, self._slot_index, :, pos] = v
         return attend_fn(q, self.k[li, :, :, :kv_len], self.v[li, :, :, :kv_len], bias, self.scale)
+
+    def _prefix(self):
+        """The shared-prompt pointers for the Triton kernel (`share_prefix`)."""
+        return self.prefix_src, self.prefix_len
 
     def _decode_blocks(self, x, cos, sin, bias, kv_len):
         qkv_fn, attend_fn, mlp_fn = self._block_fns()
@@ -344,7 +367,8 @@ class LeanDecoder:
                 o = decode_attention(qkv[:, :, :per], qkv[:, :, per], qkv[:, :, per + 1],
                                      self.k[li], self.v[li], self.positions, self.scale, kv_len,
                                      splits=self.attention_splits,
-                                     prologue=Prologue(self._cos, self._sin, qn, kn, eps))
+                                     prologue=Prologue(self._cos, self._sin, qn, kn, eps),
+                                     prefix=self._prefix())
             else:
                 q, k, v = qkv_fn(x, ln, qkv_w, qkv_b, qn, kn, cos, sin, eps, self.groups, per)
                 o = self._attend(li, q, k, v, bias, kv_len, attend_fn)

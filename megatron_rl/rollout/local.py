@@ -136,6 +136,12 @@ class LocalEngine:
         step later, without a host sync per step (`_generate_continuous`); False: the per-step
         check (the reference the tests compare against)."""
         self.deferred_checks = 0  # decode steps whose stop flags were read late (tests, benches)
+        self.share_prompts = True
+        """Lean decoder: requests of one refill with the same prompt (a GRPO group) prefill it
+        once; the others get a copy of its K/V rows, and on the Triton path read them from the
+        first one's slot (`LeanDecoder.point_prefix`). False: every request prefills its own
+        prompt (the reference the tests compare against)."""
+        self.shared_prompts = 0  # requests whose prompt was prefilled for another one (tests)
         self.record_routing = record_routing
         self._lean = (LeanDecoder(module, ps, cuda_graphs, decode_attention=decode_attention)
                       if self.decoder_kind == "lean" else None)
@@ -404,6 +410,10 @@ class LocalEngine:
         results: list[Sample | None] = [None] * n_req
         newly_pruned: set[int] = set()
         queue = deque(range(n_req))
+        share = self.share_prompts and routes is None  # (routing replay records every prefill)
+        slot_ix_host = np.arange(B)
+        src_of = slot_ix_host.copy()  # the slot whose rows each slot reads its prompt from
+        dec.point_prefix(list(range(B)), list(range(B)), [0] * B)
 
         def finish(slot: int, reason: str) -> None:
             r, k = int(slot_req[slot]), int(count[slot])
@@ -441,13 +451,20 @@ class LocalEngine:
             finish_all(hit)
 
         def finish_all(done: list[tuple[int, str]]) -> None:
-            """Finish (slot, reason) pairs and park their slots (inactive, position 0)."""
+            """Finish (slot, reason) pairs and park their slots (inactive, position 0; a parked
+            slot's rows get overwritten, so the slots reading a prompt from them read their own
+            copy again)."""
             for slot, reason in done:
                 finish(slot, reason)
             if done:
-                freed = torch.tensor([d[0] for d in done], device=dev)
-                active_dev[freed] = 0
-                dec.positions[freed] = 0
+                freed = np.array([d[0] for d in done])
+                t = torch.as_tensor(freed, device=dev)
+                active_dev[t] = 0
+                dec.positions[t] = 0
+                unpoint = np.flatnonzero(np.isin(src_of, freed) & (src_of != slot_ix_host))
+                if unpoint.size:
+                    src_of[unpoint] = unpoint
+                    dec.point_prefix(unpoint.tolist(), unpoint.tolist(), [0] * unpoint.size)
 
         def after_sample(slots: np.ndarray, tokens: torch.Tensor, rows: np.ndarray) -> None:
             """Finish reasons for `slots`, which just received tokens[rows] (stop > abort >
@@ -531,22 +548,40 @@ class LocalEngine:
             if not take:
                 return
             take.sort(key=lambda r: len(requests[r]))
+            first: dict[tuple, tuple[int, torch.Tensor | None]] = {}  # prompt -> (slot, logits)
             start = 0
             while start < len(take):  # length-sorted chunks of at most prefill_tokens
                 end = start + 1
                 while end < len(take) and (end + 1 - start) * len(requests[take[end]]) <= self.prefill_tokens:
                     end += 1
                 chunk, slots = take[start:end], np.array(free[start:end])
-                P = len(requests[chunk[-1]])
-                ids_t = torch.full((len(chunk), P), self.pad_id, dtype=torch.long)
-                for i, r in enumerate(chunk):
-                    ids_t[i, : len(requests[r])] = torch.tensor(requests[r])
                 lengths = [len(requests[r]) for r in chunk]
-                if routes is None:
-                    logits = dec.prefill(ids_t, lengths, slots.tolist())
+                src = slots.copy()  # the slot that prefills each row's prompt
+                if share:
+                    for i, r in enumerate(chunk):
+                        src[i] = first.setdefault(tuple(requests[r]), (int(slots[i]), None))[0]
+                lead = np.flatnonzero(src == slots)
+                P = max(lengths[i] for i in lead) if lead.size else 0
+                ids_t = torch.full((len(lead), P), self.pad_id, dtype=torch.long)
+                for j, i in enumerate(lead):
+                    ids_t[j, : lengths[i]] = torch.tensor(requests[chunk[i]])
+                lead_slots, lead_lengths = slots[lead].tolist(), [lengths[i] for i in lead]
+                if not lead.size:
+                    logits = None
+                elif routes is None:
+                    logits = dec.prefill(ids_t, lead_lengths, lead_slots)
                 else:
-                    logits = routes.prefill(partial(dec.prefill, ids_t, lengths, slots.tolist()),
-                                            slots.tolist(), P)
+                    logits = routes.prefill(partial(dec.prefill, ids_t, lead_lengths, lead_slots),
+                                            lead_slots, P)
+                for j, i in enumerate(lead if share else ()):  # (a later chunk's copies too)
+                    first[tuple(requests[chunk[i]])] = (int(slots[i]), logits[j])
+                if lead.size < len(chunk):  # rows whose prompt another slot prefilled
+                    rows = [first[tuple(requests[r])][1] for r in chunk]
+                    logits = torch.stack(rows)
+                    copies = np.flatnonzero(src != slots)
+                    dec.copy_prefix(slots[copies].tolist(), src[copies].tolist(),
+                                    max(lengths[i] for i in copies))
+                    self.shared_prompts += copies.size
                 tokens, lp = self._sample(logits, sp)
                 st = torch.as_tensor(slots, device=dev)
                 gen_tok[st, 0], gen_lp[st, 0] = tokens, lp
@@ -554,6 +589,12 @@ class LocalEngine:
                 dec.tokens[st] = tokens
                 dec.positions[st] = torch.tensor(lengths, device=dev)
                 slot_req[slots], count[slots], pos[slots] = chunk, 1, lengths
+                # a copy reads its prompt from the prefilling slot while that one runs
+                point = np.flatnonzero((src != slots) & (slot_req[src] >= 0))
+                if point.size:
+                    src_of[slots[point]] = src[point]
+                    dec.point_prefix(slots[point].tolist(), src[point].tolist(),
+                                     [lengths[i] for i in point])
                 if budgets is not None:
                     limit[slots] = [budgets[r] for r in chunk]
                 for s_ in slots.tolist():

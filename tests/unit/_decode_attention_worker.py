@@ -42,10 +42,40 @@ def kernel_case(c: dict) -> dict:
         kn[b, :, int(pos[b]):] = float("nan")
         vn[b, :, int(pos[b]):] = float("nan")
     again = decode_attention(q, k_new, v_new, kn, vn, pos, scale, kv_len, splits=c["splits"])
-    return {"max_diff": float((out.float() - ref.float()).abs().max()),
-            "scale": float(ref.float().abs().max()),
-            "cache_equal": torch.equal(kc, k_cache) and torch.equal(vc, v_cache),
-            "nan_safe": torch.equal(again, out)}
+    res = {"max_diff": float((out.float() - ref.float()).abs().max()),
+           "scale": float(ref.float().abs().max()),
+           "cache_equal": torch.equal(kc, k_cache) and torch.equal(vc, v_cache),
+           "nan_safe": torch.equal(again, out)}
+    if c.get("shared"):
+        res["shared_equal"] = shared_prefix_check(q, k_new, v_new, k_cache, v_cache, pos, scale,
+                                                  kv_len, c["splits"])
+    return res
+
+
+def shared_prefix_check(q, k_new, v_new, k_cache, v_cache, pos, scale, kv_len, splits) -> bool:
+    """Slots 1 and 2 read a prompt prefix from slot 0's rows, slot 4 from slot 3's: the members'
+    own rows hold a copy (as the engine's `copy_prefix` leaves them), then NaN is written over
+    those rows in the cache the kernel reads -- the output must be bit-equal to the kernel on
+    the copies without sharing (so the shared rows were read, and from the source)."""
+    B = q.shape[0]
+    pos = pos.clone()
+    pos[0], pos[3] = kv_len - 1, kv_len // 2  # the sources, at their prompt's end or later
+    src = torch.tensor([0, 0, 0, 3, 3][:B])
+    length = torch.tensor([0, 6, pos[0].item() // 2, 0, 4][:B])  # <= the source's pos
+    pos = torch.maximum(pos, length)  # a member decodes at its prompt's end or later
+    kc, vc = k_cache.clone(), v_cache.clone()
+    for b in range(B):
+        kc[b, :, : length[b]] = kc[src[b], :, : length[b]]
+        vc[b, :, : length[b]] = vc[src[b], :, : length[b]]
+    kp, vp = kc.clone(), vc.clone()
+    want = decode_attention(q, k_new, v_new, kc, vc, pos, scale, kv_len, splits=splits)
+    for b in range(B):
+        if src[b] != b:
+            kp[b, :, : length[b]] = float("nan")
+            vp[b, :, : length[b]] = float("nan")
+    got = decode_attention(q, k_new, v_new, kp, vp, pos, scale, kv_len, splits=splits,
+                           prefix=(src, length))
+    return bool(torch.equal(got, want))
 
 
 def prologue_case(c: dict) -> dict:
@@ -149,8 +179,46 @@ def deferred_case(c: dict) -> dict:
             "lengths": [len(s.response_ids) for s in runs[0]], "deferred": deferred_steps}
 
 
+def shared_case(c: dict) -> dict:
+    """The engine on the kernel with prompt sharing (requests of one prompt prefilled once,
+    the others reading its K/V from that slot) against every request prefilling its own:
+    sampled (T = 1, same seed), n samples per prompt, stop tokens ending sources before their
+    copies, groups split across refills -> the same tokens and finish reasons, log-probs within
+    the rounding of a prefill batched differently."""
+    from helpers import make_tiny_hf
+
+    from megatron_rl.actor.loading import ModelSource, build_module
+    from megatron_rl.config import ModelConfig, ParallelConfig
+    from megatron_rl.parallel import init_parallel
+    from megatron_rl.rollout.engine import SamplingParams
+    from megatron_rl.rollout.local import LocalEngine
+
+    ps = init_parallel(ParallelConfig())
+    hf_dir = make_tiny_hf("qwen3", tempfile.mkdtemp(), seed=7)
+    hf = json.load(open(f"{hf_dir}/config.json"))
+    module, _ = build_module(ModelSource(hf, None, hf_dir), ps, ModelConfig(dtype="fp32"))
+    prompts = [list(range(3, 3 + n)) for n in (9, 2, 40, 1, 17)]
+    sp = SamplingParams(temperature=1.0, max_new_tokens=c["share_max_new"],
+                        stop_token_ids=list(range(0, hf["vocab_size"], 11)), seed=0)
+    runs, shared = [], []
+    for share in (True, False):
+        e = LocalEngine(module, ps, pad_id=0, max_batch_size=c["slots"], decode_attention="torch",
+                        seed=3)
+        e._lean.attention = "triton"
+        e.share_prompts = share
+        runs.append(e.generate(prompts, 3, sp))
+        shared.append(e.shared_prompts)
+    same = all(a.response_ids == b.response_ids and a.finish_reason == b.finish_reason
+               for a, b in zip(*runs, strict=True))
+    return {"tokens_equal": same, "shared": shared,
+            "max_lp_diff": max(float((a.response_logprobs - b.response_logprobs).abs().max())
+                               for a, b in zip(*runs)),
+            "reasons": sorted({s.finish_reason for s in runs[0]})}
+
+
 if __name__ == "__main__":
     for case in json.loads(sys.argv[1]):
         fn = (decoder_case if "decoder" in case else prologue_case if "norm" in case
-              else deferred_case if "max_new" in case else kernel_case)
+              else deferred_case if "max_new" in case else shared_case
+              if "share_max_new" in case else kernel_case)
         print(json.dumps(fn(case)), flush=True)

@@ -60,6 +60,23 @@ def test_kernel_matches_reference_under_the_interpreter():
         assert r["cache_equal"] and r["nan_safe"], (c, r)
 
 
+def test_shared_prompts_under_the_interpreter():
+    """Prompt sharing: the kernel reading a prompt prefix from another slot's rows gives the
+    bits of reading the slot's own copy (and reads the source: the copy is NaN-poisoned), one
+    split and split-K; the engine prefilling each prompt once for its n requests, the copies
+    reading it from the source slot, against every request prefilling its own -- with refills
+    splitting groups (4 slots) and without (16)."""
+    cases = [dict(_case(), shared=True), dict(_case(splits=3, per=1), shared=True),
+             {"share_max_new": 7, "slots": 4}, {"share_max_new": 12, "slots": 16}]
+    res = _interpreted(cases)
+    for r in res[:2]:
+        assert r["shared_equal"] and r["max_diff"] <= 1e-5, r
+    for r in res[2:]:
+        assert r["tokens_equal"] and r["max_lp_diff"] < 1e-5, r
+        assert r["shared"][0] >= 3 and r["shared"][1] == 0, r  # prompts were shared (and not)
+        assert r["reasons"] == ["length", "stop"], r
+
+
 def test_prologue_matches_qkv_block_under_the_interpreter():
     """Raw QKV-projection rows (a strided view), q/k RMSNorm and RoPE in the kernel: within
     rounding of qkv_block's norm + RoPE followed by the reference attention; the rotated key in
@@ -160,6 +177,34 @@ def test_split_heuristic():
 
 
 # -- on the GPU ---------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_shared_prompt_rows_bf16_cuda():
+    """The peer's shape (8 prompts x 8 slots, 96-token prompts, 64 slots, bf16): slots reading
+    their prompt from the group's first slot give the bits of reading their own (NaN-poisoned
+    here) copies, one split and split-K."""
+    pytest.importorskip("triton")
+    torch.manual_seed(0)
+    B, g, per, d, L, P = 64, 8, 2, 128, 640, 96
+    dev, bf = "cuda", torch.bfloat16
+    q = torch.randn(B, g * per, d, device=dev, dtype=bf)
+    k_new, v_new = (torch.randn(B, g, d, device=dev, dtype=bf) for _ in range(2))
+    k_cache, v_cache = (torch.randn(B, g, L, d, device=dev, dtype=bf) for _ in range(2))
+    src = torch.arange(B, device=dev) // 8 * 8
+    k_cache[:, :, :P], v_cache[:, :, :P] = k_cache[src, :, :P], v_cache[src, :, :P]
+    plen = torch.where(src == torch.arange(B, device=dev), 0, P)
+    pos = torch.randint(P, 600, (B,), device=dev)
+    for splits in (1, 4):
+        kc, vc = k_cache.clone(), v_cache.clone()
+        want = da.decode_attention(q, k_new, v_new, kc, vc, pos, d ** -0.5, 600, splits=splits)
+        kp, vp = k_cache.clone(), v_cache.clone()
+        kp[plen > 0, :, :P] = float("nan")
+        vp[plen > 0, :, :P] = float("nan")
+        got = da.decode_attention(q, k_new, v_new, kp, vp, pos, d ** -0.5, 600, splits=splits,
+                                  prefix=(src, plen))
+        assert torch.equal(got, want), splits
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("kv_len", [128, 640])

@@ -34,8 +34,9 @@ for stage in "$@"; do
   case $stage in
     peer_packed) run "$stage" python3 tools/bench/rl_step.py --peer --layout packed ;;
     peer_padded) run "$stage" python3 tools/bench/rl_step.py --peer --layout padded ;;
-    peer_profile) run "$stage" python3 tools/bench/rl_step.py --peer --layout padded --steps 6 \
-           --profile-step 6 ;;
+    peer_unshared) run "$stage" python3 tools/bench/rl_step.py --peer --layout padded --no-share-prompts ;;
+    peer_profile) run "$stage" python3 tools/bench/rl_step.py --peer --layout padded --steps 8 \
+           --profile-step 8 ;;
     peer_nographs) run "$stage" python3 tools/bench/rl_step.py --peer --layout packed --no-keep-graphs ;;
     moe) run "$stage" python3 tools/bench/actor.py --shape 30b-a3b-cut --backend auto --recompute none \
            --experts grouped --experts sequential --steps 4 --warmup 2 ;;

@@ -77,6 +77,9 @@ def main() -> None:
     ap.add_argument("--peer", action="store_true")
     ap.add_argument("--layout", choices=["padded", "packed"], default="packed")
     ap.add_argument("--no-keep-graphs", action="store_true")
+    ap.add_argument("--no-share-prompts", action="store_true",
+                    help="every request prefills and reads its own prompt K/V (the built-in "
+                         "engine's share_prompts off: the baseline of prompt sharing)")
     ap.add_argument("--profile-step", type=int, default=0, metavar="N",
                     help="run step N under torch.profiler (trainer.profile_steps=[N]) and print "
                          "its summary (phases, device-busy time, top ops) as a JSON line")
@@ -97,8 +100,20 @@ def main() -> None:
         )
     if args.profile_step:
         cfg.trainer.profile_steps = [args.profile_step]
+    if args.no_share_prompts:
+        from megatron_rl.rollout import local
+
+        build = local.build
+
+        def unshared(ctx):
+            engine = build(ctx)
+            engine.share_prompts = False
+            return engine
+
+        local.build = unshared
     name = "rl_step_peer" if args.peer else "rl_step"
-    tag = {"layout": cfg.trainer.micro_batch_layout, "keep_graphs": cfg.rollout.keep_decode_graphs}
+    tag = {"layout": cfg.trainer.micro_batch_layout, "keep_graphs": cfg.rollout.keep_decode_graphs,
+           "share_prompts": not args.no_share_prompts}
     try:
         result = train.run(cfg)
     except BaseException as e:  # the steps that finished are still figures: print them, re-raise
