@@ -140,7 +140,8 @@ class Prologue(NamedTuple):
 
 def decode_attention(q, k_new, v_new, k_cache, v_cache, pos, scale: float, kv_len: int,
                      splits: int | None = None, prologue: Prologue | None = None,
-                     prefix: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                     prefix: tuple[torch.Tensor, torch.Tensor] | None = None,
+                     tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
     """`decode_attention_reference` in one fused launch (see the module docstring): q [B, h, d]
     (or [B, g, h/g, d], e.g. a view of the QKV projection), k_new/v_new [B, g, d],
     k_cache/v_cache [B, g, L, d] (a layer of the decoder's cache, written in place at pos), pos
@@ -149,7 +150,8 @@ def decode_attention(q, k_new, v_new, k_cache, v_cache, pos, scale: float, kv_le
     kernel applies the prologue's q/k norm and RoPE first (the cache gets the rotated key).
     prefix (src [B], length [B], long on the device): slot b reads its keys 0..length[b] - 1
     from slot src[b]'s cache rows instead of its own (a shared prompt; the caller guarantees the
-    rows are equal, so the result is the same); src[b] = b, length[b] = 0: no sharing."""
+    rows are equal, so the result is the same); src[b] = b, length[b] = 0: no sharing.
+    tiles: (BLOCK_N, num_warps, num_stages) instead of `launch_config`'s (benchmarks)."""
     g = k_cache.shape[1]
     if q.dim() == 3:
         q = q.view(q.shape[0], g, q.shape[1] // g, q.shape[2])
@@ -168,6 +170,8 @@ def decode_attention(q, k_new, v_new, k_cache, v_cache, pos, scale: float, kv_le
     block_n, auto_splits, warps, stages = launch_config(B * g, k_cache.shape[2], d,
                                                         k_cache.element_size(), _sm_count(q.device))
     splits = splits or auto_splits
+    if tiles is not None:
+        block_n, warps, stages = tiles
     out = torch.empty(B, heads * d, dtype=k_cache.dtype, device=q.device)
     if splits == 1:
         m_part = l_part = acc_part = out  # not written: the kernel stores the output itself

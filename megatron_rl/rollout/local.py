@@ -45,6 +45,7 @@ from megatron_rl.parallel import ParallelState
 from megatron_rl.rollout.decode_attention import resolve_decode_attention
 from megatron_rl.rollout.decoder import LeanDecoder, length_bucket
 from megatron_rl.rollout.engine import SamplingParams
+from megatron_rl.rollout.exp_race import exp_race_sample, exp_race_sample_triton
 from megatron_rl.types import Sample
 
 
@@ -62,17 +63,6 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
         mask = torch.zeros_like(drop).scatter(-1, idx, drop)
         logits = logits.masked_fill(mask, float("-inf"))
     return logits
-
-
-def exp_race_sample(logits: torch.Tensor, noise: torch.Tensor, temperature: float):
-    """Sample from softmax(logits / T) given E ~ Exp(1) noise [B, V]: the token is
-    argmax(p / E) = argmax(logits / T - log E) -- exactly torch.multinomial's single-draw
-    algorithm, so the same noise gives the same token -- and its log-prob
-    logits / T - logsumexp(logits / T). Returns (tokens [B], logprobs [B] fp32)."""
-    scaled = logits.float() / temperature
-    tokens = (scaled - noise.log()).argmax(-1)
-    lp = scaled.gather(-1, tokens[:, None]).squeeze(-1) - torch.logsumexp(scaled, -1)
-    return tokens, lp
 
 
 class LocalEngine:
@@ -217,7 +207,7 @@ class LocalEngine:
         identical on every TP rank."""
         if sp.temperature > 0 and sp.top_k <= 0 and sp.top_p >= 1.0:
             # multinomial's own draw (argmax of p / E, E ~ Exp(1), the same RNG stream), fused
-            # (the fp32 upcast happens inside the compiled pass: no [B, V] fp32 copy)
+            # (the fp32 upcast happens inside the kernel: no [B, V] fp32 copy; rollout/exp_race.py)
             noise = torch.empty(logits_bv.shape, dtype=torch.float32, device=logits_bv.device)
             noise.exponential_(generator=self.generator)
             return self._broadcast_draw(*self._exp_race_fn()(logits_bv, noise,
@@ -245,10 +235,13 @@ class LocalEngine:
         return tokens, lp
 
     def _exp_race_fn(self):
-        """`exp_race_sample`, compiled on CUDA (one fused pass over the [B, V] logits)."""
+        """`exp_race_sample`: with the lean decoder's Triton kernels (rollout.decode_attention
+        auto on CUDA, or triton) the one-pass Triton draw, else compiled on CUDA, eager on CPU."""
         if self._exp_race is None:
             self._exp_race = exp_race_sample
-            if self.ps.device.type == "cuda":
+            if self._lean is not None and self._lean.attention == "triton":
+                self._exp_race = exp_race_sample_triton
+            elif self.ps.device.type == "cuda":
                 self._exp_race = torch.compile(exp_race_sample, dynamic=True)
         return self._exp_race
 

@@ -179,6 +179,25 @@ def deferred_case(c: dict) -> dict:
             "lengths": [len(s.response_ids) for s in runs[0]], "deferred": deferred_steps}
 
 
+def exp_race_case(c: dict) -> dict:
+    """`exp_race_sample_triton` against the torch reference on the same noise: random fp32 and
+    bf16 logits with a vocabulary that leaves a partial last chunk, plus rows whose race ties
+    (equal logits and noise in several chunks: the lowest index wins, as torch.argmax's)."""
+    from megatron_rl.rollout.exp_race import CHUNK, exp_race_sample, exp_race_sample_triton
+
+    torch.manual_seed(2)
+    B, V = 6, 2 * CHUNK + 77
+    logits = (torch.randn(B, V) * 3).to(getattr(torch, c["exp_race"]))
+    noise = torch.empty(B, V).exponential_()
+    for b, spots in ((0, (5, CHUNK + 9, V - 1)), (1, (V - 3, V - 2)), (2, (CHUNK, 0))):
+        logits[b, list(spots)] = 20.0  # a tie of race values across and inside chunks
+        noise[b, list(spots)] = 0.5
+    want_t, want_lp = exp_race_sample(logits, noise, 0.7)
+    got_t, got_lp = exp_race_sample_triton(logits, noise, 0.7)
+    return {"tokens_equal": torch.equal(got_t, want_t), "ties": got_t[:3].tolist(),
+            "max_lp_diff": float((got_lp - want_lp).abs().max())}
+
+
 def shared_case(c: dict) -> dict:
     """The engine on the kernel with prompt sharing (requests of one prompt prefilled once,
     the others reading its K/V from that slot) against every request prefilling its own:
@@ -220,5 +239,6 @@ if __name__ == "__main__":
     for case in json.loads(sys.argv[1]):
         fn = (decoder_case if "decoder" in case else prologue_case if "norm" in case
               else deferred_case if "max_new" in case else shared_case
-              if "share_max_new" in case else kernel_case)
+              if "share_max_new" in case else exp_race_case if "exp_race" in case
+              else kernel_case)
         print(json.dumps(fn(case)), flush=True)

@@ -77,6 +77,17 @@ def test_shared_prompts_under_the_interpreter():
         assert r["reasons"] == ["length", "stop"], r
 
 
+def test_exp_race_sampler_under_the_interpreter():
+    """The engine's one-pass Triton draw (rollout/exp_race.py) against the torch reference on
+    the same Exp(1) noise: the same tokens, ties to the lowest index across and inside chunks,
+    log-probs within fp32 rounding (fp32 and bf16 logits)."""
+    from megatron_rl.rollout.exp_race import CHUNK
+
+    for r in _interpreted([{"exp_race": "float32"}, {"exp_race": "bfloat16"}]):
+        assert r["tokens_equal"] and r["max_lp_diff"] < 1e-4, r
+        assert r["ties"] == [5, 2 * CHUNK + 77 - 3, 0], r
+
+
 def test_prologue_matches_qkv_block_under_the_interpreter():
     """Raw QKV-projection rows (a strided view), q/k RMSNorm and RoPE in the kernel: within
     rounding of qkv_block's norm + RoPE followed by the reference attention; the rotated key in
@@ -177,6 +188,25 @@ def test_split_heuristic():
 
 
 # -- on the GPU ---------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_exp_race_sampler_bf16_cuda():
+    """The one-pass Triton draw at the peer's decode shape (64 rows x 151,936, bf16 logits)
+    against the torch reference on the same noise: the same tokens, log-probs within fp32
+    rounding."""
+    pytest.importorskip("triton")
+    from megatron_rl.rollout.exp_race import exp_race_sample, exp_race_sample_triton
+
+    torch.manual_seed(0)
+    for _ in range(3):
+        logits = (torch.randn(64, 151936, device="cuda") * 4).to(torch.bfloat16)
+        noise = torch.empty(64, 151936, device="cuda").exponential_()
+        want_t, want_lp = exp_race_sample(logits, noise, 1.0)
+        got_t, got_lp = exp_race_sample_triton(logits, noise, 1.0)
+        assert torch.equal(got_t, want_t)
+        assert float((got_lp - want_lp).abs().max()) < 1e-4
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_shared_prompt_rows_bf16_cuda():

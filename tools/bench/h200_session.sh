@@ -35,6 +35,8 @@ for stage in "$@"; do
     peer_packed) run "$stage" python3 tools/bench/rl_step.py --peer --layout packed ;;
     peer_padded) run "$stage" python3 tools/bench/rl_step.py --peer --layout padded ;;
     peer_unshared) run "$stage" python3 tools/bench/rl_step.py --peer --layout padded --no-share-prompts ;;
+    peer_compiled_sampler) run "$stage" python3 tools/bench/rl_step.py --peer --layout padded \
+           --compiled-sampler ;;
     peer_profile) run "$stage" python3 tools/bench/rl_step.py --peer --layout padded --steps 8 \
            --profile-step 8 ;;
     peer_nographs) run "$stage" python3 tools/bench/rl_step.py --peer --layout packed --no-keep-graphs ;;
@@ -58,6 +60,8 @@ for stage in "$@"; do
            -p no:cacheprovider ;;
     rollout) run "$stage" python3 tools/bench/rollout.py ;;
     attn_splits) run "$stage" python3 tools/bench/decode_attention_splits.py ;;
+    attn_tiles) run "$stage" python3 tools/bench/decode_attention_splits.py --tiles ;;
+    decode_gemm) run "$stage" python3 tools/bench/decode_gemm.py ;;
     rollout_splits) run "$stage" python3 tools/bench/rollout.py --prompts 64 --prompt-len 96 --new 512 --skip-hf \
            --decode-attention triton --attention-splits 1 --attention-splits 2 --attention-splits 4 ;;
     gpu_outlp) run "$stage" python3 -m pytest -m gpu tests/unit/test_output_logprobs.py -q -ra -p no:cacheprovider ;;

@@ -80,6 +80,9 @@ def main() -> None:
     ap.add_argument("--no-share-prompts", action="store_true",
                     help="every request prefills and reads its own prompt K/V (the built-in "
                          "engine's share_prompts off: the baseline of prompt sharing)")
+    ap.add_argument("--compiled-sampler", action="store_true",
+                    help="the sampling draw as the compiled torch function (the baseline of the "
+                         "one-pass Triton draw, rollout/exp_race.py)")
     ap.add_argument("--profile-step", type=int, default=0, metavar="N",
                     help="run step N under torch.profiler (trainer.profile_steps=[N]) and print "
                          "its summary (phases, device-busy time, top ops) as a JSON line")
@@ -100,20 +103,25 @@ def main() -> None:
         )
     if args.profile_step:
         cfg.trainer.profile_steps = [args.profile_step]
-    if args.no_share_prompts:
+    if args.no_share_prompts or args.compiled_sampler:
+        import torch
+
         from megatron_rl.rollout import local
 
         build = local.build
 
-        def unshared(ctx):
+        def baseline(ctx):
             engine = build(ctx)
-            engine.share_prompts = False
+            engine.share_prompts = not args.no_share_prompts
+            if args.compiled_sampler:
+                engine._exp_race = torch.compile(local.exp_race_sample, dynamic=True)
             return engine
 
-        local.build = unshared
+        local.build = baseline
     name = "rl_step_peer" if args.peer else "rl_step"
     tag = {"layout": cfg.trainer.micro_batch_layout, "keep_graphs": cfg.rollout.keep_decode_graphs,
-           "share_prompts": not args.no_share_prompts}
+           "share_prompts": not args.no_share_prompts,
+           "sampler": "compiled" if args.compiled_sampler else "auto"}
     try:
         result = train.run(cfg)
     except BaseException as e:  # the steps that finished are still figures: print them, re-raise
