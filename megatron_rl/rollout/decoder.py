@@ -374,8 +374,9 @@ class LeanDecoder:
                 o = self._attend(li, q, k, v, bias, kv_len, attend_fn)
             x, act = mlp_fn(x, self._all_reduce(F.linear(o, att.linear_proj.weight)),
                             layer.pre_mlp_layernorm.weight, mlp.linear_fc1.weight, eps)
-            if self.tp is None:  # the residual add in fc2's GEMM epilogue (beta = 1): no kernel
-                x = torch.addmm(x, act, mlp.linear_fc2.weight.t())
+            if self.tp is None:  # the residual add in fc2's GEMM epilogue (beta = 1), in place
+                # on mlp_fn's fresh x: no add kernel and no copy of x into a new output
+                x = x.addmm_(act, mlp.linear_fc2.weight.t())
             else:
                 x = x + self._all_reduce(F.linear(act, mlp.linear_fc2.weight))
         return x

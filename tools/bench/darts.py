@@ -122,6 +122,9 @@ def main() -> None:
     ap.add_argument("--filler-sigma", type=float, default=1.1,
                     help="log-normal sigma of the filler lengths: the tail's weight (DARTS' "
                          "gain grows with it: the pool's tail is cut, GRPO waits for it)")
+    ap.add_argument("--micro-batch-tokens", type=int, default=None,
+                    help="trainer.micro_batch_tokens of the SFT and of every arm (default 32768; "
+                         "tiny 8192; 16384 fits an 80 GB card at --max-new 1024)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--arms", default="grpo_s0,grpo_s1,darts_nostream_s0,darts_s0")
     ap.add_argument("--stack-dump-s", type=float, default=0,
@@ -140,6 +143,7 @@ def main() -> None:
     from megatron_rl.recipe import load_config
 
     tiny = args.tiny
+    mb_tokens = args.micro_batch_tokens or (8192 if tiny else 32768)
     out = args.out or tempfile.mkdtemp(prefix="darts_bench_")
     os.makedirs(out, exist_ok=True)
     steps = args.steps or (3 if tiny else 10)
@@ -158,7 +162,7 @@ def main() -> None:
         "sft.batch_size=64", f"optimizer.lr={3e-3 if tiny else 3e-4}", "optimizer.lr_warmup_steps=20",
         "optimizer.lr_decay_style=cosine", "optimizer.weight_decay=0.0",
         f"optimizer.min_lr={3e-4 if tiny else 3e-5}", "trainer.num_eval_examples=32",
-        f"trainer.micro_batch_tokens={8192 if tiny else 32768}",
+        f"trainer.micro_batch_tokens={mb_tokens}",
         f"trainer.output_dir={out}/sft"])
     sft_result = sft.run(sft_cfg)
     print(json.dumps({"bench": "darts", "stage": "sft", "seconds": round(time.perf_counter() - t0, 1),
@@ -171,7 +175,7 @@ def main() -> None:
               "reward.name=darts:copy_reward", f"optimizer.lr={1e-4 if tiny else 2e-6}",
               f"trainer.total_steps={steps}", f"trainer.init_from={out}/sft/final",
               "trainer.num_eval_examples=32", "trainer.rollout_store=false",
-              f"trainer.micro_batch_tokens={8192 if tiny else 32768}",
+              f"trainer.micro_batch_tokens={mb_tokens}",
               f"trainer.mini_batches_per_step={args.mini_batches}"]
     summary: dict[str, dict] = {}
     for name, extra in arms(args).items():

@@ -56,6 +56,8 @@ for stage in "$@"; do
     gpu_dec) run "$stage" python3 -m pytest -m gpu tests/unit/test_decode_attention.py tests/unit/test_engine.py \
            tests/unit/test_darts_streaming.py tests/unit/test_patches.py tests/unit/test_models_builder.py \
            -q -ra -p no:cacheprovider ;;
+    gpu_new) run "$stage" python3 -m pytest -m gpu tests/unit/test_decode_attention.py -q -ra \
+           -p no:cacheprovider -k "shared or exp_race or deferred" ;;
     gpu_defer) run "$stage" python3 -m pytest -m gpu tests/unit/test_decode_attention.py -q -ra \
            -p no:cacheprovider ;;
     rollout) run "$stage" python3 tools/bench/rollout.py ;;
@@ -68,6 +70,7 @@ for stage in "$@"; do
     layouts_uniform) run "$stage" python3 tools/bench/actor_layouts.py --uniform ;;
     actor) run "$stage" python3 tools/bench/actor.py --shape 1.7b --backend auto --recompute none ;;
     trl) run "$stage" python3 tools/bench/trl_grpo_peer.py --steps 7 ;;
+    trl5) run "$stage" python3 tools/bench/trl_grpo_peer.py --steps 5 ;;
     darts) run "$stage" python3 tools/bench/darts.py --out /tmp/darts --stack-dump-s 120 ;;
     darts_short) run "$stage" python3 tools/bench/darts.py --out /tmp/darts --stack-dump-s 60 \
            --sft-steps 60 --steps 4 --arms grpo_s0,darts_s0 ;;
@@ -77,6 +80,7 @@ for stage in "$@"; do
            --sft-steps 60 --steps 10 --mini-batches 1 --arms grpo_s0,grpo_s1,darts_nostream_s0 ;;
     darts_tail) run "$stage" python3 tools/bench/darts.py --out /tmp/darts_tail --stack-dump-s 120 \
            --sft-steps 60 --steps 10 --mini-batches 1 --max-new 1024 --filler-sigma 1.5 \
+           --micro-batch-tokens 16384 \
            --arms grpo_s0,grpo_s1,darts_nostream_s0 ;;
     weight_sync) run "$stage" python3 tools/bench/weight_sync.py ;;
     dllm_rl) run "$stage" python3 tools/bench/dllm_rl.py --device cuda ;;
