@@ -454,7 +454,9 @@ class LocalEngine:
                 t = torch.as_tensor(freed, device=dev)
                 active_dev[t] = 0
                 dec.positions[t] = 0
-                unpoint = np.flatnonzero(np.isin(src_of, freed) & (src_of != slot_ix_host))
+                # the parked slots themselves too: a refill must not inherit their pointers
+                unpoint = np.flatnonzero((np.isin(src_of, freed) | np.isin(slot_ix_host, freed))
+                                         & (src_of != slot_ix_host))
                 if unpoint.size:
                     src_of[unpoint] = unpoint
                     dec.point_prefix(unpoint.tolist(), unpoint.tolist(), [0] * unpoint.size)

@@ -227,9 +227,11 @@ def shared_case(c: dict) -> dict:
         e.share_prompts = share
         runs.append(e.generate(prompts, 3, sp))
         shared.append(e.shared_prompts)
+        reset = (torch.equal(e._lean.prefix_src, torch.arange(c["slots"]))
+                 and not e._lean.prefix_len.any())  # every slot parked: none points elsewhere
     same = all(a.response_ids == b.response_ids and a.finish_reason == b.finish_reason
                for a, b in zip(*runs, strict=True))
-    return {"tokens_equal": same, "shared": shared,
+    return {"tokens_equal": same, "shared": shared, "pointers_reset": reset,
             "max_lp_diff": max(float((a.response_logprobs - b.response_logprobs).abs().max())
                                for a, b in zip(*runs)),
             "reasons": sorted({s.finish_reason for s in runs[0]})}
