@@ -38,3 +38,78 @@ def test_fused_rmsnorm_cuda_matches_reference_fwd_bwd():
         assert torch.allclose(gx.float(), x.grad.float(), atol=3e-2, rtol=2e-2)
         assert torch.allclose(gw.float(), norm.weight.grad.float(), rtol=2e-2, atol=1.0)
         norm.weight.grad = None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_triton_rmsnorm_cuda_matches_reference_fwd_bwd(monkeypatch):
+    """`NORM_BACKEND = "triton"` (models/rms_norm_triton.py) within bf16 rounding of the
+    reference forward and backward, on hidden rows and on strided q/k-norm-shaped views."""
+    from megatron_rl.models import norm as norm_mod
+
+    pytest.importorskip("triton")
+    monkeypatch.setattr(norm_mod, "NORM_BACKEND", "triton")
+    torch.manual_seed(0)
+    for shape, n in [((512, 2, 2048), 2048), ((300, 16, 128), 128)]:
+        norm = FusedRMSNorm(n, eps=1e-6).cuda().to(torch.bfloat16)
+        with torch.no_grad():
+            norm.weight.normal_(1, 0.1)
+        base = torch.randn(*shape[:-1], 2 * n, device="cuda", dtype=torch.bfloat16)
+        x = base[..., :n].detach().requires_grad_(True)  # a contiguous leaf, then a strided view
+        for inp in (x, base[..., n:]):
+            inp = inp if inp.requires_grad else inp.detach().requires_grad_(True)
+            g = torch.randn_like(inp)
+            y = norm(inp)
+            (y.float() * g.float()).sum().backward()
+            gx, gw = inp.grad.clone(), norm.weight.grad.clone()
+            inp.grad = norm.weight.grad = None
+            y_ref = rms_norm_reference(inp, norm.weight, 1e-6)
+            (y_ref.float() * g.float()).sum().backward()
+            assert torch.allclose(y.float(), y_ref.float(), atol=2e-2, rtol=1e-2)
+            assert torch.allclose(gx.float(), inp.grad.float(), atol=3e-2, rtol=2e-2)
+            assert torch.allclose(gw.float(), norm.weight.grad.float(), rtol=2e-2, atol=1.0)
+            norm.weight.grad = None
+
+
+INTERPRETED = r"""
+import json, torch
+from megatron_rl.models.norm import rms_norm_reference
+from megatron_rl.models.rms_norm_triton import rms_norm_triton
+out = []
+torch.manual_seed(0)
+for shape in [(37, 96), (3, 5, 128), (16, 64)]:
+    x = torch.randn(*shape, dtype=torch.float64).float().requires_grad_(True)
+    w = (torch.rand(shape[-1]) + 0.5).requires_grad_(True)
+    g = torch.randn(*shape)
+    y = rms_norm_triton(x, w, 1e-6)
+    (y * g).sum().backward()
+    gx, gw = x.grad.clone(), w.grad.clone()
+    x.grad = w.grad = None
+    y_ref = rms_norm_reference(x, w, 1e-6)
+    (y_ref * g).sum().backward()
+    out.append({"shape": shape, "y": float((y - y_ref).abs().max()),
+                "gx": float((gx - x.grad).abs().max()), "gw": float((gw - w.grad).abs().max()),
+                "gw_scale": float(w.grad.abs().max())})
+print(json.dumps(out))
+"""
+
+
+def test_triton_rmsnorm_under_the_interpreter():
+    """The Triton RMSNorm's forward and backward kernels (fp32, under the Triton interpreter on
+    CPU) against autograd through `rms_norm_reference`: rows not a multiple of the program's 16,
+    a width that is not a power of two, 3-d input."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-c", INTERPRETED], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for r in json.loads(proc.stdout.splitlines()[-1]):
+        assert r["y"] < 1e-5 and r["gx"] < 1e-5, r
+        assert r["gw"] < 1e-5 * max(1.0, r["gw_scale"]), r

@@ -129,8 +129,12 @@ def main() -> None:
     ap.add_argument("--output-path", action="append", choices=["fused", "module"],
                     help="how response log-probs leave the output layer (actor/output_logprobs.py):"
                          " fused (the default) or the module reference path; repeat for both")
+    ap.add_argument("--norm", action="append", choices=["compiled", "triton"],
+                    help="the RMSNorm on CUDA (models/norm.py NORM_BACKEND): compiled (the "
+                         "default) or the hand-written Triton kernels; repeat for both")
     args = ap.parse_args()
     args.output_path = args.output_path or ["fused"]
+    args.norm = args.norm or ["compiled"]
     if args.device == "cpu":
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
     import torch
@@ -153,8 +157,12 @@ def main() -> None:
         return loss, {"loss": loss.detach()}
 
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
+    from megatron_rl.models import norm as norm_mod
+
     results = {}
-    for path, layout in [(p, lay) for p in args.output_path for lay in ("padded", "packed")]:
+    for nb, path, layout in [(nb, p, lay) for nb in args.norm for p in args.output_path
+                             for lay in ("padded", "packed")]:
+        norm_mod.NORM_BACKEND = nb
         torch._dynamo.reset()  # each layout compiles afresh, as in a run of its own
         torch.manual_seed(0)
         module, tcfg = build_module(src, ps, mcfg, packed=layout == "packed")
@@ -178,8 +186,9 @@ def main() -> None:
                 times_lp.append(t1 - t0)
                 times_tr.append(t2 - t1)
         lp, tr = statistics.median(times_lp), statistics.median(times_tr)
-        key = (path, layout)
-        results[key] = {"bench": "actor_layouts", "layout": layout, "output_path": path, "shape": "tiny" if args.tiny
+        key = (nb, path, layout)
+        results[key] = {"bench": "actor_layouts", "layout": layout, "output_path": path,
+                        "norm": nb, "shape": "tiny" if args.tiny
                            else "0.6b", "lengths": "uniform" if args.uniform else
                            f"lognormal(median {args.median:g}, sigma {args.sigma:g})",
                            "num_seqs": len(seqs), "real_tokens": real, "micro_batches": len(mbs),
@@ -195,18 +204,26 @@ def main() -> None:
         if args.device == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
-    for path in args.output_path:
-        print(json.dumps({"bench": "actor_layouts", "compare": "packed / padded",
+    def tps(*key):
+        return results[key]["tokens_per_s"]
+
+    for nb, path in [(nb, p) for nb in args.norm for p in args.output_path]:
+        print(json.dumps({"bench": "actor_layouts", "compare": "packed / padded", "norm": nb,
                           "output_path": path,
-                          "speedup": round(results[(path, "packed")]["tokens_per_s"]
-                                           / results[(path, "padded")]["tokens_per_s"], 3)}),
+                          "speedup": round(tps(nb, path, "packed") / tps(nb, path, "padded"), 3)}),
               flush=True)
-    if len(args.output_path) == 2:
-        for layout in ("padded", "packed"):
+    for layout in ("padded", "packed"):
+        if len(args.output_path) == 2:
+            nb = args.norm[0]
             print(json.dumps({"bench": "actor_layouts", "compare": "fused / module", "layout":
-                              layout, "speedup": round(results[("fused", layout)]["tokens_per_s"]
-                                                       / results[("module", layout)]
-                                                       ["tokens_per_s"], 3)}), flush=True)
+                              layout, "speedup": round(tps(nb, "fused", layout)
+                                                       / tps(nb, "module", layout), 3)}), flush=True)
+        if len(args.norm) == 2:
+            path = args.output_path[0]
+            print(json.dumps({"bench": "actor_layouts", "compare": "triton / compiled norm",
+                              "layout": layout, "speedup": round(tps("triton", path, layout)
+                                                                 / tps("compiled", path, layout),
+                                                                 3)}), flush=True)
     destroy_parallel()
 
 
