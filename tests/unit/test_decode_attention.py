@@ -50,17 +50,40 @@ def _case(dtype="float32", per=2, d=32, splits=1, strided=False, kv_len=128):
                 splits=splits, strided=strided)
 
 
-def test_kernel_matches_reference_under_the_interpreter():
-    cases = [_case(), _case(splits=3), _case(per=1, d=16, splits=4, kv_len=200),
-             _case(per=3, d=64, splits=2, strided=True), _case(dtype="float16"),
-             _case(dtype="float16", splits=2, strided=True)]
-    for c, r in zip(cases, _interpreted(cases), strict=True):
+CASES = {
+    "kernel": [_case(), _case(splits=3), _case(per=1, d=16, splits=4, kv_len=200),
+               _case(per=3, d=64, splits=2, strided=True), _case(dtype="float16"),
+               _case(dtype="float16", splits=2, strided=True)],
+    "shared": [dict(_case(), shared=True), dict(_case(splits=3, per=1), shared=True),
+               {"share_max_new": 9, "slots": 4}],
+    "exp_race": [{"exp_race": "float32"}, {"exp_race": "bfloat16"}],
+    "prologue": [dict(_case(per=2, d=32), norm=True),
+                 dict(_case(per=3, d=64, splits=3), norm=True),
+                 dict(_case(per=1, d=16), norm=False), dict(_case(dtype="float16"), norm=True),
+                 dict(_case(dtype="float16", splits=2, per=3, d=64), norm=False)],
+    "deferred": [{"max_new": 6}, {"max_new": 13}],
+    "decoder": [{"decoder": True}, {"decoder": False}],
+}
+"""Every interpreter case of this module, run in one worker process (one start-up, not six)."""
+
+
+@pytest.fixture(scope="module")
+def interpreted() -> dict[str, list[dict]]:
+    names = [name for name, cases in CASES.items() for _ in cases]
+    out: dict[str, list[dict]] = {name: [] for name in CASES}
+    for name, r in zip(names, _interpreted([c for cs in CASES.values() for c in cs]), strict=True):
+        out[name].append(r)
+    return out
+
+
+def test_kernel_matches_reference_under_the_interpreter(interpreted):
+    for c, r in zip(CASES["kernel"], interpreted["kernel"], strict=True):
         tol = 1e-5 if c["dtype"] == "float32" else 2e-3 * r["scale"]
         assert r["max_diff"] <= tol, (c, r)
         assert r["cache_equal"] and r["nan_safe"], (c, r)
 
 
-def test_shared_prompts_under_the_interpreter():
+def test_shared_prompts_under_the_interpreter(interpreted):
     """Prompt sharing: the kernel reading a prompt prefix from another slot's rows gives the
     bits of reading the slot's own copy (and reads the source: the copy is NaN-poisoned), one
     split and split-K; the engine prefilling each prompt once for its n requests, the copies
@@ -68,9 +91,7 @@ def test_shared_prompts_under_the_interpreter():
     15 requests: refills split groups, sources finish before their copies and parked slots are
     refilled (a refilled slot that kept its old pointer read another prompt's keys: this case
     caught it); at the end no slot points elsewhere."""
-    cases = [dict(_case(), shared=True), dict(_case(splits=3, per=1), shared=True),
-             {"share_max_new": 9, "slots": 4}]
-    res = _interpreted(cases)
+    res = interpreted["shared"]
     for r in res[:2]:
         assert r["shared_equal"] and r["max_diff"] <= 1e-5, r
     for r in res[2:]:
@@ -80,25 +101,22 @@ def test_shared_prompts_under_the_interpreter():
         assert r["pointers_reset"], r
 
 
-def test_exp_race_sampler_under_the_interpreter():
+def test_exp_race_sampler_under_the_interpreter(interpreted):
     """The engine's one-pass Triton draw (rollout/exp_race.py) against the torch reference on
     the same Exp(1) noise: the same tokens, ties to the lowest index across and inside chunks,
     log-probs within fp32 rounding (fp32 and bf16 logits)."""
     from megatron_rl.rollout.exp_race import CHUNK
 
-    for r in _interpreted([{"exp_race": "float32"}, {"exp_race": "bfloat16"}]):
+    for r in interpreted["exp_race"]:
         assert r["tokens_equal"] and r["max_lp_diff"] < 1e-4, r
         assert r["ties"] == [5, 2 * CHUNK + 77 - 3, 0], r
 
 
-def test_prologue_matches_qkv_block_under_the_interpreter():
+def test_prologue_matches_qkv_block_under_the_interpreter(interpreted):
     """Raw QKV-projection rows (a strided view), q/k RMSNorm and RoPE in the kernel: within
     rounding of qkv_block's norm + RoPE followed by the reference attention; the rotated key in
     the cache too; with and without q/k norm, one split and split-K."""
-    cases = [dict(_case(per=2, d=32), norm=True), dict(_case(per=3, d=64, splits=3), norm=True),
-             dict(_case(per=1, d=16), norm=False), dict(_case(dtype="float16"), norm=True),
-             dict(_case(dtype="float16", splits=2, per=3, d=64), norm=False)]
-    for c, r in zip(cases, _interpreted(cases), strict=True):
+    for c, r in zip(CASES["prologue"], interpreted["prologue"], strict=True):
         fp32 = c["dtype"] == "float32"
         tol = 1e-5 if fp32 else 2e-3 * r["scale"]
         assert r["max_diff"] <= tol, (c, r)
@@ -106,18 +124,18 @@ def test_prologue_matches_qkv_block_under_the_interpreter():
         assert r["v_equal"], (c, r)
 
 
-def test_deferred_stop_check_equals_the_per_step_check_under_the_interpreter():
+def test_deferred_stop_check_equals_the_per_step_check_under_the_interpreter(interpreted):
     """The engine reads stop flags one decode step late once nothing is left to refill: every
     sample (tokens, log-probs, finish reason) equals the per-step check's, with stops and
     token limits both ending samples."""
-    for r in _interpreted([{"max_new": 6}, {"max_new": 13}]):
+    for r in interpreted["deferred"]:
         assert r["equal"], r
         assert r["reasons"] == ["length", "stop"], r  # both kinds of ending were exercised
         assert r["deferred"][0] >= 3 and r["deferred"][1] == 0, r  # the late reads happened
 
 
-def test_decoder_on_the_kernel_matches_the_torch_path_under_the_interpreter():
-    for r in _interpreted([{"decoder": True}, {"decoder": False}]):
+def test_decoder_on_the_kernel_matches_the_torch_path_under_the_interpreter(interpreted):
+    for r in interpreted["decoder"]:
         assert r["tokens_equal"] and r["max_lp_diff"] < 1e-5, r
 
 
