@@ -22,6 +22,10 @@ launch when the key axis is split:
   the raw rows of the QKV projection, and the program applies the q/k RMSNorm and RoPE (cos/sin
   read at pos[b]) itself -- the same fp32 arithmetic and roundings as the compiled `qkv_block`
   -- so no kernel between the QKV GEMM and the attention runs;
+* shared prompts (`prefix`): a slot may read its first keys (its prompt) from another slot's
+  rows -- the engine points the requests of one prompt at the slot that prefilled it -- so a
+  GRPO group's programs stream one copy of the prompt's K/V and the L2 cache serves the rest;
+  the rows are equal, so the result is bit for bit the same;
 * split-K: when slots x kv heads would leave the GPU's SMs idle (few slots), the key range of
   each slot is cut into `splits` equal tile runs on separate programs, each writing its partial
   (max, sum, accumulator) in fp32; `_combine_kernel` rescales and merges them. With many slots

@@ -349,7 +349,7 @@ class LeanDecoder:
         return attend_fn(q, self.k[li, :, :, :kv_len], self.v[li, :, :, :kv_len], bias, self.scale)
 
     def _prefix(self):
-        """The shared-prompt pointers for the Triton kernel (`share_prefix`)."""
+        """The shared-prompt pointers for the Triton kernel (`point_prefix`)."""
         return self.prefix_src, self.prefix_len
 
     def _decode_blocks(self, x, cos, sin, bias, kv_len):

@@ -8,8 +8,8 @@ pass of `_partial_kernel` over (row, chunk) programs -- each keeps the chunk's b
 and index and its online logsumexp -- then `_combine_kernel` per row) compute the same
 function: the same fp32 divide by T and log of the noise per element, so the same token (ties
 go to the lowest index, as torch.argmax's); the logsumexp is summed in another order, so the
-log-prob agrees to fp32 rounding. tests/unit/test_engine.py compares the two (under the Triton
-interpreter on CPU, on CUDA in the gpu tests).
+log-prob agrees to fp32 rounding. tests/unit/test_decode_attention.py compares the two (under
+the Triton interpreter on CPU, on CUDA in its gpu tests).
 """
 
 from __future__ import annotations
