@@ -29,6 +29,10 @@ or EP > 1 is rejected (use the SGLang engine).
 
 The slow reference is the Megatron-forward path of `LocalEngine` (`decoder="megatron"`);
 tests compare the two token by token.
+
+Why one file over 450 lines: the prefill, the decode step, its CUDA graphs, the shared-prompt
+pointers and the fused per-layer blocks all work on the one cache layout and read the weights
+the same way; split apart, each part would re-state both.
 """
 
 from __future__ import annotations
