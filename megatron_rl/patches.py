@@ -2,9 +2,10 @@
 
 Megatron-Core assumes CUDA in about ten places. On a machine without a GPU `apply_patches()`
 redirects each of them to the CPU, without editing Megatron's files; none of those is applied
-when CUDA is available. Four shims apply on GPU too: 10 covers a missing Transformer-Engine,
+when CUDA is available. Five shims apply on GPU too: 10 covers a missing Transformer-Engine,
 12 removes a copy that does nothing, 13 applies packed (THD) RoPE in one pass (numbers
-unchanged) and 15 compiles RoPE on CUDA tensors; 14 applies on GPU only (the grad norm without a host sync per tensor). Each patch names the Megatron function
+unchanged), 15 compiles RoPE on CUDA tensors and 16 routes SwiGLU to a Triton kernel when
+models/kernel_backend.py asks for it; 14 applies on GPU only (the grad norm without a host sync per tensor). Each patch names the Megatron function
 or module it covers; all were
 written for megatron-core 0.16.1 (`PINNED_MEGATRON_VERSION`), and `check_patch_targets()` (run by
 the tests) fails loudly when a version bump moves or removes a target. Why over 450 lines: every
@@ -29,7 +30,11 @@ The list (docs/design.md, "Megatron-Core on CPU"):
  14. without TE / apex, megatron's local multi-tensor l2 norm and scale -> torch's foreach
      kernels (GPU only: the local norm syncs the host once per parameter tensor)
  15. rope_utils._apply_rotary_pos_emb_bshd (and 13's rotation) on CUDA tensors -> one compiled
-     pass (CPU tensors: Megatron's eager code)
+     pass (CPU tensors: Megatron's eager code); cos / sin built once per forward, not per call.
+     With models/kernel_backend.py's "triton" backend: models/rope_triton.py.
+ 16. transformer.mlp.bias_swiglu_impl with models/kernel_backend.py's "triton" backend (CUDA
+     tensors, no bias, no FP8 input store, no activation offloading) -> models/swiglu_triton.py;
+     otherwise Megatron's function
 """
 
 from __future__ import annotations
@@ -437,12 +442,26 @@ _COMPILED_ROPE: list = []
 
 def _rope_fn(t):
     """`rope_rotate`, compiled for CUDA tensors (one fused kernel forward and one backward
-    instead of six or more passes over [s, b, heads, dim]), as is for CPU ones."""
+    instead of six or more passes over [s, b, heads, dim]), as is for CPU ones; with
+    models/kernel_backend.py's "triton" backend, the Triton kernel (models/rope_triton.py)."""
     if not t.is_cuda:
         return rope_rotate
     if not _COMPILED_ROPE:
         _COMPILED_ROPE.append(torch.compile(rope_rotate, dynamic=True))
+    from megatron_rl.models import kernel_backend
+
+    if kernel_backend.use_triton(t):
+        return _rope_triton_or_compiled
     return _COMPILED_ROPE[0]
+
+
+def _rope_triton_or_compiled(t, cos, sin):
+    """The Triton RoPE where the call's cos / sin layout fits it, else the compiled one."""
+    from megatron_rl.models.rope_triton import rope_triton, rope_triton_fits
+
+    if rope_triton_fits(t, cos, sin):
+        return rope_triton(t, cos, sin)
+    return _COMPILED_ROPE[0](t, cos, sin)
 
 
 def _patch_compiled_rope() -> None:
@@ -460,23 +479,55 @@ def _patch_compiled_rope() -> None:
     if getattr(original, "_megatron_rl_compiled", False):
         return
 
+    last: list = []  # [key, (cos, sin)]: every layer's q and k rotate by the same freqs
+
     @functools.wraps(original)
     def _apply_rotary_pos_emb_bshd(t, freqs, rotary_interleaved=False,
                                    multi_latent_attention=False, mscale=1.0):
         if rotary_interleaved or multi_latent_attention or not t.is_cuda:
             return original(t, freqs, rotary_interleaved=rotary_interleaved,
                             multi_latent_attention=multi_latent_attention, mscale=mscale)
-        cos = (torch.cos(freqs) * mscale).to(t.dtype)
-        sin = (torch.sin(freqs) * mscale).to(t.dtype)
+        key = (freqs, freqs._version, mscale, t.dtype)
+        if not (last and last[0][0] is freqs and last[0][1:] == key[1:]):
+            last[:] = [key, ((torch.cos(freqs) * mscale).to(t.dtype),
+                             (torch.sin(freqs) * mscale).to(t.dtype))]
+        cos, sin = last[1]
         return _rope_fn(t)(t, cos, sin)
 
     _apply_rotary_pos_emb_bshd._megatron_rl_compiled = True
     rope_utils._apply_rotary_pos_emb_bshd = _apply_rotary_pos_emb_bshd
 
 
+def _patch_triton_swiglu() -> None:
+    """16. megatron-core 0.16.x `transformer.mlp.bias_swiglu_impl` (the dense MLP's fused SwiGLU,
+    bound in mlp.py at import) -> the Triton SwiGLU (models/swiglu_triton.py) where
+    models/kernel_backend.py picks it and the call has nothing that kernel lacks (bias, FP8
+    input store, activation offloading); Megatron's compiled function otherwise. The default
+    backend ("compiled") keeps Megatron's function for every call."""
+    from megatron.core.transformer import mlp
+
+    original = mlp.bias_swiglu_impl
+    if getattr(original, "_megatron_rl_dispatch", False):
+        return
+
+    @functools.wraps(original)
+    def bias_swiglu_impl(input, bias, fp8_input_store=False, cpu_offload_input=False):
+        from megatron_rl.models import kernel_backend
+
+        if (bias is None and not fp8_input_store and not cpu_offload_input
+                and kernel_backend.use_triton(input)):
+            from megatron_rl.models.swiglu_triton import swiglu_triton
+
+            return swiglu_triton(input)
+        return original(input, bias, fp8_input_store, cpu_offload_input)
+
+    bias_swiglu_impl._megatron_rl_dispatch = True
+    mlp.bias_swiglu_impl = bias_swiglu_impl
+
+
 def apply_patches() -> bool:
     """Apply every shim once: the TE-absence fix, the identity-sort skip, the one-pass THD
-    RoPE and the compiled RoPE (CUDA tensors) always, the foreach multi-tensor ops on CUDA, the CPU shims when there is no CUDA.
+    RoPE, the compiled RoPE (CUDA tensors) and the SwiGLU dispatch always, the foreach multi-tensor ops on CUDA, the CPU shims when there is no CUDA.
 
     Returns True if the CPU shims were applied.
     """
@@ -487,6 +538,7 @@ def apply_patches() -> bool:
     _patch_identity_chunk_sort()
     _patch_thd_rope()
     _patch_compiled_rope()
+    _patch_triton_swiglu()
     if torch.cuda.is_available():
         _patch_multi_tensor_ops()
     else:
@@ -512,6 +564,7 @@ def check_patch_targets() -> list[str]:
         "megatron.core.models.common.embeddings.rope_utils": ["_apply_rotary_pos_emb_thd",
                                                               "_apply_rotary_pos_emb_bshd",
                                                               "_rotate_half"],
+        "megatron.core.transformer.mlp": ["bias_swiglu_impl"],
         "megatron.core.transformer.moe.token_dispatcher": [
             "maybe_move_tensor_to_cpu",
             "sort_chunks_by_idxs",

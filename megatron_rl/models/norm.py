@@ -23,6 +23,8 @@ import functools
 import torch
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
+from megatron_rl.models import kernel_backend
+
 
 class TorchNorm:
     """Factory with the norm-module constructor signature Megatron specs use."""
@@ -79,19 +81,12 @@ def _fused_rms_norm():
     return torch.compile(rms_norm_reference, dynamic=True)
 
 
-NORM_BACKEND = "compiled"
-"""What `FusedRMSNorm` runs on CUDA: "compiled" (`rms_norm_reference` through torch.compile) or
-"triton" (models/rms_norm_triton.py: hand-written kernels, less host time per call). A
-benchmark switch (tools/bench/actor_layouts.py --norm), not a config field: the default stays
-the compiled norm until the Triton one is measured on the GPU."""
-
-
 class FusedRMSNorm(torch.nn.RMSNorm):
     """torch.nn.RMSNorm (same parameters and state dict) whose CUDA forward/backward are fused."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda and not torch.compiler.is_compiling():
-            if NORM_BACKEND == "triton":
+            if kernel_backend.use_triton(x):  # models/kernel_backend.py
                 from megatron_rl.models.rms_norm_triton import rms_norm_triton
 
                 return rms_norm_triton(x, self.weight, self.eps)

@@ -14,8 +14,8 @@ dx = rstd * (g - x_hat * mean(g * x_hat)), dw = sum over rows of dy * x_hat (par
 program, then one column sum). tests/unit/test_norm.py compares both directions with autograd
 through the reference (under the Triton interpreter on CPU; on CUDA in the gpu test).
 
-`models.norm.NORM_BACKEND` picks what `FusedRMSNorm` runs on CUDA: "compiled" (the default, the
-measured one) or "triton" (set by benchmarks to compare: tools/bench/actor_layouts.py --norm).
+`models/kernel_backend.py` picks what `FusedRMSNorm` runs on CUDA: "compiled" (the default, the
+measured one) or "triton" (set by benchmarks to compare: tools/bench/actor_layouts.py --kernels).
 """
 
 from __future__ import annotations

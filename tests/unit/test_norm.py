@@ -48,12 +48,12 @@ def _check_against_reference(norm, x):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_triton_rmsnorm_cuda_matches_reference_fwd_bwd(monkeypatch):
-    """`NORM_BACKEND = "triton"` (models/rms_norm_triton.py) within bf16 rounding of the
+    """The "triton" kernel backend (models/rms_norm_triton.py) within bf16 rounding of the
     reference forward and backward, on hidden rows and on strided q/k-norm-shaped views."""
-    from megatron_rl.models import norm as norm_mod
+    from megatron_rl.models import kernel_backend
 
     pytest.importorskip("triton")
-    monkeypatch.setattr(norm_mod, "NORM_BACKEND", "triton")
+    monkeypatch.setattr(kernel_backend, "BACKEND", "triton")
     torch.manual_seed(0)
     for shape, n in [((512, 2, 2048), 2048), ((300, 16, 128), 128)]:
         norm = FusedRMSNorm(n, eps=1e-6).cuda().to(torch.bfloat16)

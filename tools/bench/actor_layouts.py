@@ -129,12 +129,13 @@ def main() -> None:
     ap.add_argument("--output-path", action="append", choices=["fused", "module"],
                     help="how response log-probs leave the output layer (actor/output_logprobs.py):"
                          " fused (the default) or the module reference path; repeat for both")
-    ap.add_argument("--norm", action="append", choices=["compiled", "triton"],
-                    help="the RMSNorm on CUDA (models/norm.py NORM_BACKEND): compiled (the "
-                         "default) or the hand-written Triton kernels; repeat for both")
+    ap.add_argument("--kernels", action="append", choices=["compiled", "triton"],
+                    help="the actor's RMSNorm, RoPE and SwiGLU on CUDA (models/kernel_backend.py):"
+                         " compiled (the default) or the hand-written Triton kernels; repeat "
+                         "for both")
     args = ap.parse_args()
     args.output_path = args.output_path or ["fused"]
-    args.norm = args.norm or ["compiled"]
+    args.kernels = args.kernels or ["compiled"]
     if args.device == "cpu":
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
     import torch
@@ -157,12 +158,12 @@ def main() -> None:
         return loss, {"loss": loss.detach()}
 
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
-    from megatron_rl.models import norm as norm_mod
+    from megatron_rl.models import kernel_backend
 
     results = {}
-    for nb, path, layout in [(nb, p, lay) for nb in args.norm for p in args.output_path
+    for nb, path, layout in [(nb, p, lay) for nb in args.kernels for p in args.output_path
                              for lay in ("padded", "packed")]:
-        norm_mod.NORM_BACKEND = nb
+        kernel_backend.set_backend(nb)
         torch._dynamo.reset()  # each layout compiles afresh, as in a run of its own
         torch.manual_seed(0)
         module, tcfg = build_module(src, ps, mcfg, packed=layout == "packed")
@@ -188,7 +189,7 @@ def main() -> None:
         lp, tr = statistics.median(times_lp), statistics.median(times_tr)
         key = (nb, path, layout)
         results[key] = {"bench": "actor_layouts", "layout": layout, "output_path": path,
-                        "norm": nb, "shape": "tiny" if args.tiny
+                        "kernels": nb, "shape": "tiny" if args.tiny
                            else "0.6b", "lengths": "uniform" if args.uniform else
                            f"lognormal(median {args.median:g}, sigma {args.sigma:g})",
                            "num_seqs": len(seqs), "real_tokens": real, "micro_batches": len(mbs),
@@ -207,20 +208,20 @@ def main() -> None:
     def tps(*key):
         return results[key]["tokens_per_s"]
 
-    for nb, path in [(nb, p) for nb in args.norm for p in args.output_path]:
-        print(json.dumps({"bench": "actor_layouts", "compare": "packed / padded", "norm": nb,
+    for nb, path in [(nb, p) for nb in args.kernels for p in args.output_path]:
+        print(json.dumps({"bench": "actor_layouts", "compare": "packed / padded", "kernels": nb,
                           "output_path": path,
                           "speedup": round(tps(nb, path, "packed") / tps(nb, path, "padded"), 3)}),
               flush=True)
     for layout in ("padded", "packed"):
         if len(args.output_path) == 2:
-            nb = args.norm[0]
+            nb = args.kernels[0]
             print(json.dumps({"bench": "actor_layouts", "compare": "fused / module", "layout":
                               layout, "speedup": round(tps(nb, "fused", layout)
                                                        / tps(nb, "module", layout), 3)}), flush=True)
-        if len(args.norm) == 2:
+        if len(args.kernels) == 2:
             path = args.output_path[0]
-            print(json.dumps({"bench": "actor_layouts", "compare": "triton / compiled norm",
+            print(json.dumps({"bench": "actor_layouts", "compare": "triton / compiled kernels",
                               "layout": layout, "speedup": round(tps("triton", path, layout)
                                                                  / tps("compiled", path, layout),
                                                                  3)}), flush=True)

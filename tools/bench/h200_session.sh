@@ -34,7 +34,7 @@ for stage in "$@"; do
   case $stage in
     peer_packed) run "$stage" python3 tools/bench/rl_step.py --peer --layout packed ;;
     peer_padded) run "$stage" python3 tools/bench/rl_step.py --peer --layout padded ;;
-    peer_triton_norm) run "$stage" python3 tools/bench/rl_step.py --peer --layout padded --norm triton ;;
+    peer_triton) run "$stage" python3 tools/bench/rl_step.py --peer --layout padded --kernels triton ;;
     peer_unshared) run "$stage" python3 tools/bench/rl_step.py --peer --layout padded --no-share-prompts ;;
     peer_compiled_sampler) run "$stage" python3 tools/bench/rl_step.py --peer --layout padded \
            --compiled-sampler ;;
@@ -46,8 +46,11 @@ for stage in "$@"; do
     moe2) run "$stage" python3 tools/bench/actor.py --shape 30b-a3b-cut --num-layers 2 --backend auto \
            --recompute none --experts grouped --experts sequential --steps 4 --warmup 2 ;;
     layouts) run "$stage" python3 tools/bench/actor_layouts.py ;;
-    layouts_norm) run "$stage" python3 tools/bench/actor_layouts.py --norm compiled --norm triton ;;
-    gpu_norm) run "$stage" python3 -m pytest -m gpu tests/unit/test_norm.py -q -ra -p no:cacheprovider ;;
+    layouts_kernels) run "$stage" python3 tools/bench/actor_layouts.py --kernels compiled --kernels triton ;;
+    layouts_kernels_profile) run "$stage" python3 tools/bench/actor_layouts.py --kernels triton --steps 2 \
+           --warmup 2 --profile 30 ;;
+    gpu_kernels) run "$stage" python3 -m pytest -m gpu tests/unit/test_norm.py tests/unit/test_fused_triton.py \
+           -q -ra -p no:cacheprovider ;;
     layouts_profile) run "$stage" python3 tools/bench/actor_layouts.py --steps 2 --warmup 2 --profile 30 ;;
     layouts_small) run "$stage" python3 tools/bench/actor_layouts.py --prompt 16 --median 40 --sigma 0.7 \
            --max-new 400 --steps 3 --warmup 2 --profile 25 ;;

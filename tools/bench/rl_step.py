@@ -80,8 +80,8 @@ def main() -> None:
     ap.add_argument("--no-share-prompts", action="store_true",
                     help="every request prefills and reads its own prompt K/V (the built-in "
                          "engine's share_prompts off: the baseline of prompt sharing)")
-    ap.add_argument("--norm", choices=["compiled", "triton"], default="compiled",
-                    help="the actor's RMSNorm on CUDA (models/norm.py NORM_BACKEND)")
+    ap.add_argument("--kernels", choices=["compiled", "triton"], default="compiled",
+                    help="the actor's RMSNorm, RoPE and SwiGLU on CUDA (models/kernel_backend.py)")
     ap.add_argument("--compiled-sampler", action="store_true",
                     help="the sampling draw as the compiled torch function (the baseline of the "
                          "one-pass Triton draw, rollout/exp_race.py)")
@@ -105,9 +105,9 @@ def main() -> None:
         )
     if args.profile_step:
         cfg.trainer.profile_steps = [args.profile_step]
-    from megatron_rl.models import norm as norm_mod
+    from megatron_rl.models import kernel_backend
 
-    norm_mod.NORM_BACKEND = args.norm
+    kernel_backend.set_backend(args.kernels)
     if args.no_share_prompts or args.compiled_sampler:
         import torch
 
@@ -126,7 +126,7 @@ def main() -> None:
     name = "rl_step_peer" if args.peer else "rl_step"
     tag = {"layout": cfg.trainer.micro_batch_layout, "keep_graphs": cfg.rollout.keep_decode_graphs,
            "share_prompts": not args.no_share_prompts,
-           "sampler": "compiled" if args.compiled_sampler else "auto", "norm": args.norm}
+           "sampler": "compiled" if args.compiled_sampler else "auto", "kernels": args.kernels}
     try:
         result = train.run(cfg)
     except BaseException as e:  # the steps that finished are still figures: print them, re-raise

@@ -1,0 +1,39 @@
+"""Which kernels the actor's per-token ops run on CUDA: the RMSNorms, RoPE and SwiGLU.
+
+"compiled" (the default, the measured one): each op is a `torch.compile`d function (the norm in
+models/norm.py, RoPE in patches.py shim 15, SwiGLU through Megatron's `bias_swiglu_impl`).
+"triton": hand-written Triton kernels behind one autograd function each
+(models/rms_norm_triton.py, models/rope_triton.py, models/swiglu_triton.py). Same formulas,
+fp32 inside, rounded once to the activation dtype; what differs is the host's cost per call --
+a compiled region costs ~0.1 ms of host time (dynamo's cache lookup and guards, the AOT
+wrappers), a Triton launch behind `Function.apply` a fraction of that -- which matters because
+the actor's small passes are host-bound (docs/benchmarks.md, 2026-12-06).
+
+A benchmark switch (tools/bench/actor_layouts.py --kernels, tools/bench/rl_step.py --kernels),
+not a config field: a config value would promise a choice users should make, and there is none
+to make until the GPU figures say which is faster. CPU tensors always run the eager reference
+ops.
+"""
+
+from __future__ import annotations
+
+import torch
+
+BACKENDS = ("compiled", "triton")
+
+BACKEND = "compiled"
+"""One of `BACKENDS`; read at every call, so a benchmark can switch it between runs."""
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    """Whether an op on `x` runs the Triton kernels: CUDA tensors with BACKEND "triton", outside
+    a torch.compile trace."""
+    return BACKEND == "triton" and x.is_cuda and not torch.compiler.is_compiling()
+
+
+def set_backend(name: str) -> None:
+    """Set `BACKEND`, refusing an unknown name (it names the valid ones)."""
+    global BACKEND
+    if name not in BACKENDS:
+        raise ValueError(f"kernel backend {name!r}: expected one of {BACKENDS}")
+    BACKEND = name
