@@ -11,8 +11,9 @@ Arithmetic: `norm.rms_norm_reference`'s -- fp32 mean of squares, rsqrt, (x * rst
 rounded to x's dtype -- with the row sum in another order (the rstd may differ in the last bit).
 Backward, in fp32 from the saved input and rstd: x_hat = x * rstd, g = dy * w,
 dx = rstd * (g - x_hat * mean(g * x_hat)), dw = sum over rows of dy * x_hat (partial sums per
-program, then one column sum). tests/unit/test_norm.py compares both directions with autograd
-through the reference (under the Triton interpreter on CPU; on CUDA in the gpu test).
+program, then one column sum). Both directions are compared with autograd through the reference
+under the Triton interpreter on CPU (tests/unit/test_fused_triton.py) and on CUDA
+(tests/unit/test_norm.py, gpu).
 
 `models/kernel_backend.py` picks what `FusedRMSNorm` runs on CUDA: "compiled" (the default, the
 measured one) or "triton" (set by benchmarks to compare: tools/bench/actor_layouts.py --kernels).

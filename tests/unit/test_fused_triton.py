@@ -1,7 +1,9 @@
-"""The Triton RoPE and SwiGLU (models/rope_triton.py, models/swiglu_triton.py) against their
-references -- autograd through `patches.rope_rotate` and `swiglu_reference` -- forward and
-backward: under the Triton interpreter on CPU, and on CUDA through the dispatch the actor uses
-(patches.py shims 15 and 16 with models/kernel_backend.py's "triton" backend)."""
+"""The Triton RMSNorm, RoPE and SwiGLU (models/rms_norm_triton.py, rope_triton.py,
+swiglu_triton.py) against their references -- autograd through `norm.rms_norm_reference`,
+`patches.rope_rotate` and `swiglu_reference` -- forward and backward: under the Triton
+interpreter on CPU (all three in one worker process), and on CUDA through the dispatch the actor
+uses (patches.py shims 15 and 16 with models/kernel_backend.py's "triton" backend; the norm's
+CUDA test is in test_norm.py)."""
 
 import json
 import os
@@ -13,6 +15,8 @@ import torch
 
 INTERPRETED = r"""
 import json, torch
+from megatron_rl.models.norm import rms_norm_reference
+from megatron_rl.models.rms_norm_triton import rms_norm_triton
 from megatron_rl.patches import rope_rotate
 from megatron_rl.models.rope_triton import rope_triton, rope_triton_fits
 from megatron_rl.models.swiglu_triton import swiglu_reference, swiglu_triton
@@ -28,6 +32,20 @@ def grads(fn, ref, inputs, g):
 
 out = []
 torch.manual_seed(0)
+# RMSNorm: rows not a multiple of the program's 16, a width not a power of two, 3-d input
+for shape in [(37, 96), (3, 5, 128), (16, 64)]:
+    x = torch.randn(*shape, dtype=torch.float64).float().requires_grad_(True)
+    w = (torch.rand(shape[-1]) + 0.5).requires_grad_(True)
+    g = torch.randn(*shape)
+    y = rms_norm_triton(x, w, 1e-6)
+    (y * g).sum().backward()
+    gx, gw = x.grad.clone(), w.grad.clone()
+    x.grad = w.grad = None
+    y_ref = rms_norm_reference(x, w, 1e-6)
+    (y_ref * g).sum().backward()
+    out.append({"op": "rmsnorm", "shape": shape, "y": float((y - y_ref).abs().max()),
+                "gx": float((gx - x.grad).abs().max()), "gw": float((gw - w.grad).abs().max()),
+                "gw_scale": float(w.grad.abs().max())})
 # RoPE: padded [s, b, h, d] with [s, 1, 1, rot]; packed [T, h, d] with [T, 1, rot]; a partial
 # rotary width (channels past rot pass through); rows not a multiple of the program's 16
 for t_shape, c_shape in [((5, 3, 4, 32), (5, 1, 1, 32)), ((37, 2, 64), (37, 1, 64)),
@@ -52,9 +70,10 @@ print(json.dumps(out))
 """
 
 
-def test_triton_rope_and_swiglu_under_the_interpreter():
-    """Both kernels in fp32 under the Triton interpreter (one worker process): forward and the
-    input gradient within 1e-5 of autograd through the references."""
+def test_triton_kernels_under_the_interpreter():
+    """The three kernels in fp32 under the Triton interpreter (one worker process): forward and
+    the input gradients (and the norm's weight gradient) within 1e-5 of autograd through the
+    references."""
     pytest.importorskip("triton")
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
@@ -63,9 +82,11 @@ def test_triton_rope_and_swiglu_under_the_interpreter():
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(proc.stdout.splitlines()[-1])
-    assert [r["op"] for r in results] == ["rope"] * 3 + ["swiglu"] * 2
+    assert [r["op"] for r in results] == ["rmsnorm"] * 3 + ["rope"] * 3 + ["swiglu"] * 2
     for r in results:
         assert r["y"] < 1e-5 and r["gx"] < 1e-5, r
+        if r["op"] == "rmsnorm":
+            assert r["gw"] < 1e-5 * max(1.0, r["gw_scale"]), r
 
 
 def test_backend_switch_refuses_unknown_names():
