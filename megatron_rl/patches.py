@@ -487,7 +487,8 @@ def _patch_compiled_rope() -> None:
         if rotary_interleaved or multi_latent_attention or not t.is_cuda:
             return original(t, freqs, rotary_interleaved=rotary_interleaved,
                             multi_latent_attention=multi_latent_attention, mscale=mscale)
-        key = (freqs, freqs._version, mscale, t.dtype)
+        # (inference mode in the key: tables made there cannot be saved for a later backward)
+        key = (freqs, freqs._version, mscale, t.dtype, torch.is_inference_mode_enabled())
         if not (last and last[0][0] is freqs and last[0][1:] == key[1:]):
             last[:] = [key, ((torch.cos(freqs) * mscale).to(t.dtype),
                              (torch.sin(freqs) * mscale).to(t.dtype))]

@@ -142,6 +142,14 @@ def test_triton_rope_and_swiglu_cuda_through_the_dispatch(monkeypatch):
         assert torch.allclose(y_t, y_c, atol=2e-2, rtol=1e-2), name
         assert torch.allclose(gx_t, gx_c, atol=3e-2, rtol=2e-2), name
     assert ran.count("TritonRoPE") == 2 and ran.count("TritonSwiGLU") == 1, ran
+    # the padded RoPE's cached cos / sin: tables made under inference mode are not reused by a
+    # pass that saves them for backward
+    t = cases["bshd"][0]
+    with torch.inference_mode():
+        rope_utils._apply_rotary_pos_emb_bshd(t, freqs)
+    tg = t.clone().requires_grad_(True)
+    rope_utils._apply_rotary_pos_emb_bshd(tg, freqs).float().sum().backward()
+    assert tg.grad is not None
 
 
 class _One:
