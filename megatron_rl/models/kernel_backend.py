@@ -32,8 +32,13 @@ def use_triton(x: torch.Tensor) -> bool:
 
 
 def set_backend(name: str) -> None:
-    """Set `BACKEND`, refusing an unknown name (it names the valid ones)."""
+    """Set `BACKEND`, refusing an unknown name (it names the valid ones) and "triton" where the
+    triton package is missing."""
+    import importlib.util
+
     global BACKEND
     if name not in BACKENDS:
         raise ValueError(f"kernel backend {name!r}: expected one of {BACKENDS}")
+    if name == "triton" and importlib.util.find_spec("triton") is None:
+        raise ValueError("kernel backend 'triton' needs the triton package: pip install triton")
     BACKEND = name

@@ -97,6 +97,19 @@ def test_backend_switch_refuses_unknown_names():
     assert kernel_backend.BACKEND == "compiled"
 
 
+def test_backend_switch_refuses_triton_without_the_package(monkeypatch):
+    import importlib.util
+
+    from megatron_rl.models import kernel_backend
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "triton" else real(name, *a))
+    with pytest.raises(ValueError, match="needs the triton package"):
+        kernel_backend.set_backend("triton")
+    assert kernel_backend.BACKEND == "compiled"
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_triton_rope_and_swiglu_cuda_through_the_dispatch(monkeypatch):
