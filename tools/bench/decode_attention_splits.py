@@ -88,9 +88,9 @@ def sweep_tiles(q, kn, vn, kc, vc, sms: int) -> None:
         prefix = (src, plen) if shared else None
         base = timed(lambda prefix=prefix: da.decode_attention(
             q, kn, vn, kc, vc, pos, d ** -0.5, kv, prefix=prefix))
-        sweep = [(bn, w, st) for bn in (16, 32, 64) for w in (4, 8) for st in (2, 3, 4)]
+        sweep = [(bn, w, st) for bn in (16, 32, 64) for w in (2, 4, 8) for st in (2, 3, 4)]
         for tiles in sweep if shared else [(block_n, warps, stages)]:
-            for s in (1, 2):
+            for s in (1, 2, 4):
                 try:
                     us = timed(lambda prefix=prefix, tiles=tiles, s=s: da.decode_attention(
                         q, kn, vn, kc, vc, pos, d ** -0.5, kv, splits=s, prefix=prefix,

@@ -85,6 +85,9 @@ def main() -> None:
     ap.add_argument("--compiled-sampler", action="store_true",
                     help="the sampling draw as the compiled torch function (the baseline of the "
                          "one-pass Triton draw, rollout/exp_race.py)")
+    ap.add_argument("--decode-tiles", default="", metavar="BLOCK_N,WARPS,STAGES,SPLITS",
+                    help="the decode attention kernel's launch (rollout/decode_attention.py) "
+                         "instead of launch_config's: the A/B of a tile sweep's best")
     ap.add_argument("--profile-step", type=int, default=0, metavar="N",
                     help="run step N under torch.profiler (trainer.profile_steps=[N]) and print "
                          "its summary (phases, device-busy time, top ops) as a JSON line")
@@ -123,10 +126,16 @@ def main() -> None:
             return engine
 
         local.build = baseline
+    if args.decode_tiles:
+        from megatron_rl.rollout import decode_attention as da
+
+        bn, warps, stages, splits = (int(v) for v in args.decode_tiles.split(","))
+        da.launch_config = lambda *a, **k: (bn, splits, warps, stages)
     name = "rl_step_peer" if args.peer else "rl_step"
     tag = {"layout": cfg.trainer.micro_batch_layout, "keep_graphs": cfg.rollout.keep_decode_graphs,
            "share_prompts": not args.no_share_prompts,
-           "sampler": "compiled" if args.compiled_sampler else "auto", "kernels": args.kernels}
+           "sampler": "compiled" if args.compiled_sampler else "auto", "kernels": args.kernels,
+           "decode_tiles": args.decode_tiles or "launch_config"}
     try:
         result = train.run(cfg)
     except BaseException as e:  # the steps that finished are still figures: print them, re-raise
