@@ -15,8 +15,9 @@ program, then one column sum). Both directions are compared with autograd throug
 under the Triton interpreter on CPU (tests/unit/test_fused_triton.py) and on CUDA
 (tests/unit/test_norm.py, gpu).
 
-`models/kernel_backend.py` picks what `FusedRMSNorm` runs on CUDA: "compiled" (the default, the
-measured one) or "triton" (set by benchmarks to compare: tools/bench/actor_layouts.py --kernels).
+`models/kernel_backend.py` picks what `FusedRMSNorm` runs on CUDA: "triton" (the default where
+the package is importable) or "compiled" (benchmarks compare: tools/bench/actor_layouts.py
+--kernels).
 """
 
 from __future__ import annotations

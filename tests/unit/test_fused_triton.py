@@ -92,9 +92,10 @@ def test_triton_kernels_under_the_interpreter():
 def test_backend_switch_refuses_unknown_names():
     from megatron_rl.models import kernel_backend
 
+    before = kernel_backend.BACKEND
     with pytest.raises(ValueError, match="'cuda'.*compiled"):
         kernel_backend.set_backend("cuda")
-    assert kernel_backend.BACKEND == "compiled"
+    assert kernel_backend.BACKEND == before
 
 
 def test_backend_switch_refuses_triton_without_the_package(monkeypatch):
@@ -102,12 +103,22 @@ def test_backend_switch_refuses_triton_without_the_package(monkeypatch):
 
     from megatron_rl.models import kernel_backend
 
+    monkeypatch.setattr(kernel_backend, "BACKEND", "compiled")
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "triton" else real(name, *a))
     with pytest.raises(ValueError, match="needs the triton package"):
         kernel_backend.set_backend("triton")
     assert kernel_backend.BACKEND == "compiled"
+    # ... and without the package the default is the compiled backend
+    assert kernel_backend._default() == "compiled"
+
+
+def test_backend_default_is_triton_where_the_package_is_importable():
+    from megatron_rl.models import kernel_backend
+
+    pytest.importorskip("triton")
+    assert kernel_backend._default() == "triton"
 
 
 @pytest.mark.gpu

@@ -131,11 +131,14 @@ def main() -> None:
                          " fused (the default) or the module reference path; repeat for both")
     ap.add_argument("--kernels", action="append", choices=["compiled", "triton"],
                     help="the actor's RMSNorm, RoPE and SwiGLU on CUDA (models/kernel_backend.py):"
-                         " compiled (the default) or the hand-written Triton kernels; repeat "
-                         "for both")
+                         " the hand-written Triton kernels or the compiled functions (default: "
+                         "kernel_backend's default); repeat for both")
     args = ap.parse_args()
     args.output_path = args.output_path or ["fused"]
-    args.kernels = args.kernels or ["compiled"]
+    if not args.kernels:
+        from megatron_rl.models import kernel_backend
+
+        args.kernels = [kernel_backend.BACKEND]
     if args.device == "cpu":
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
     import torch

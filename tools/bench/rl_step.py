@@ -80,8 +80,9 @@ def main() -> None:
     ap.add_argument("--no-share-prompts", action="store_true",
                     help="every request prefills and reads its own prompt K/V (the built-in "
                          "engine's share_prompts off: the baseline of prompt sharing)")
-    ap.add_argument("--kernels", choices=["compiled", "triton"], default="compiled",
-                    help="the actor's RMSNorm, RoPE and SwiGLU on CUDA (models/kernel_backend.py)")
+    ap.add_argument("--kernels", choices=["compiled", "triton"], default=None,
+                    help="the actor's RMSNorm, RoPE and SwiGLU on CUDA (models/kernel_backend.py; "
+                         "default: its default)")
     ap.add_argument("--compiled-sampler", action="store_true",
                     help="the sampling draw as the compiled torch function (the baseline of the "
                          "one-pass Triton draw, rollout/exp_race.py)")
@@ -110,7 +111,8 @@ def main() -> None:
         cfg.trainer.profile_steps = [args.profile_step]
     from megatron_rl.models import kernel_backend
 
-    kernel_backend.set_backend(args.kernels)
+    kernel_backend.set_backend(args.kernels or kernel_backend.BACKEND)
+    args.kernels = kernel_backend.BACKEND
     if args.no_share_prompts or args.compiled_sampler:
         import torch
 
