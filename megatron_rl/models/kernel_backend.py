@@ -23,7 +23,9 @@ import torch
 
 BACKENDS = ("compiled", "triton")
 
+
 def _default() -> str:
+    """"triton" where the triton package is importable, else "compiled"."""
     import importlib.util
 
     return "triton" if importlib.util.find_spec("triton") is not None else "compiled"

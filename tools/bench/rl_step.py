@@ -131,7 +131,11 @@ def main() -> None:
     if args.decode_tiles:
         from megatron_rl.rollout import decode_attention as da
 
-        bn, warps, stages, splits = (int(v) for v in args.decode_tiles.split(","))
+        try:
+            bn, warps, stages, splits = (int(v) for v in args.decode_tiles.split(","))
+        except ValueError:
+            ap.error(f"--decode-tiles {args.decode_tiles!r}: expected four integers "
+                     "BLOCK_N,WARPS,STAGES,SPLITS, e.g. 32,4,3,1")
         da.launch_config = lambda *a, **k: (bn, splits, warps, stages)
     name = "rl_step_peer" if args.peer else "rl_step"
     tag = {"layout": cfg.trainer.micro_batch_layout, "keep_graphs": cfg.rollout.keep_decode_graphs,
