@@ -24,11 +24,15 @@ import torch
 BACKENDS = ("compiled", "triton")
 
 
-def _default() -> str:
-    """"triton" where the triton package is importable, else "compiled"."""
+def _triton_importable() -> bool:
     import importlib.util
 
-    return "triton" if importlib.util.find_spec("triton") is not None else "compiled"
+    return importlib.util.find_spec("triton") is not None
+
+
+def _default() -> str:
+    """"triton" where the triton package is importable, else "compiled"."""
+    return "triton" if _triton_importable() else "compiled"
 
 
 BACKEND = _default()
@@ -45,11 +49,9 @@ def use_triton(x: torch.Tensor) -> bool:
 def set_backend(name: str) -> None:
     """Set `BACKEND`, refusing an unknown name (it names the valid ones) and "triton" where the
     triton package is missing."""
-    import importlib.util
-
     global BACKEND
     if name not in BACKENDS:
         raise ValueError(f"kernel backend {name!r}: expected one of {BACKENDS}")
-    if name == "triton" and importlib.util.find_spec("triton") is None:
+    if name == "triton" and not _triton_importable():
         raise ValueError("kernel backend 'triton' needs the triton package: pip install triton")
     BACKEND = name
