@@ -16,7 +16,9 @@ overhead per token. For generation the engine instead runs this forward, which
   keys only (`rollout/decode_attention.py`; `decode_attention="torch"` keeps the torch path);
   with RoPE over the whole head the kernel also applies the q/k norm and RoPE to the raw QKV
   rows (its prologue), so a layer runs norm, QKV GEMM, attention, proj GEMM, norm, fc1 GEMM,
-  SwiGLU and fc2 GEMM (+ residual) and nothing else;
+  SwiGLU and fc2 GEMM (+ residual) and nothing else; with `decode_gemm="triton"` the proj and
+  fc2 GEMMs (few rows against a layer's weight) run as one split-K Triton launch each
+  (`rollout/few_row_gemm.py`) instead of cuBLAS;
 * on CUDA captures the decode step once per (slots, length bucket) in a CUDA graph: one
   replay per token instead of hundreds of launches. Graphs are dropped when a weight tensor is
   re-allocated (pointer check) or on `release()`.
@@ -50,6 +52,7 @@ from megatron_rl.rollout.decode_attention import (
     length_bias,
     resolve_decode_attention,
 )
+from megatron_rl.rollout.few_row_gemm import MAX_ROWS, few_row_linear, resolve_decode_gemm
 
 
 def length_bucket(n: int, max_len: int, quantum: int = 64) -> int:
@@ -69,13 +72,17 @@ class LeanDecoder:
     """
 
     def __init__(self, module, ps: ParallelState, use_cuda_graphs: bool | None = None,
-                 fused_blocks: bool = True, decode_attention: str = "auto"):
+                 fused_blocks: bool = True, decode_attention: str = "auto",
+                 decode_gemm: str = "auto"):
         """fused_blocks: decode dense layers through `qkv_block` / `attend_block` /
         `mlp_in_block` (compiled on CUDA) instead of the generic module-by-module path.
         decode_attention (`rollout.decode_attention`): auto | triton | torch -- each decode
         step's cache write + attention as the fused Triton kernel (auto: on CUDA with triton
         installed and head_dim in decode_attention.HEAD_DIMS) or as index writes + `attend_block`;
-        an explicit triton that cannot run is refused (ValueError)."""
+        an explicit triton that cannot run is refused (ValueError). decode_gemm
+        (`rollout.decode_gemm`): auto | triton | torch -- the fused blocks' proj and fc2 GEMMs
+        as `few_row_linear` (triton) or cuBLAS (auto, torch); triton is refused without triton
+        or CUDA, and by `allocate` for more than few_row_gemm.MAX_ROWS slots."""
         cfg = module.config
         if ps.pp_size > 1:
             raise ValueError("parallel.pipeline_model_parallel_size > 1: the lean decoder needs "
@@ -102,6 +109,7 @@ class LeanDecoder:
         self.head_dim = cfg.kv_channels
         self.attention = resolve_decode_attention(decode_attention, ps.device.type == "cuda",
                                                   self.head_dim)
+        self.gemm = resolve_decode_gemm(decode_gemm, ps.device.type == "cuda")
         core = self.layers[0].self_attention.core_attention
         self.scale = float(getattr(core, "softmax_scale", None) or self.head_dim ** -0.5)
         rope = module.rotary_pos_emb
@@ -125,13 +133,27 @@ class LeanDecoder:
         choice); set by benchmarks to compare."""
         self.fused_blocks = fused_blocks
         self._blocks = fused_blocks and self._blocks_ok()
+        self._check_gemm()
         self._fns = None
+
+    def _check_gemm(self) -> None:
+        """decode_gemm=triton covers the fused blocks' GEMMs: refuse it where the layers run
+        the generic path (MoE, LoRA, row-parallel biases, non-RMSNorm norms)."""
+        if self.gemm == "triton" and not self._blocks:
+            raise ValueError("config field `rollout.decode_gemm`: triton applies to the lean "
+                             "decoder's fused dense blocks; this model's layers (MoE, LoRA, "
+                             "biases or another norm) run the generic path. Use "
+                             "rollout.decode_gemm=auto or torch")
 
     # -- memory ----------------------------------------------------------------------------
     def allocate(self, slots: int, max_len: int) -> None:
         """(Re)allocate the KV cache and the static decode inputs for `slots` x `max_len`."""
         if self.k is not None and self.slots == slots and self.max_len >= max_len:
             return
+        if self.gemm == "triton" and slots > MAX_ROWS:
+            raise ValueError(f"config field `rollout.decode_gemm`: the triton GEMM takes at most "
+                             f"{MAX_ROWS} slots, the engine asked for {slots}; lower "
+                             "rollout.max_batch_size or use rollout.decode_gemm=auto or torch")
         self.release()
         shape = (len(self.layers), slots, self.groups, max_len, self.head_dim)
         # zeros, not empty: masked keys get probability 0, and 0 * NaN garbage would be NaN
@@ -376,14 +398,22 @@ class LeanDecoder:
             else:
                 q, k, v = qkv_fn(x, ln, qkv_w, qkv_b, qn, kn, cos, sin, eps, self.groups, per)
                 o = self._attend(li, q, k, v, bias, kv_len, attend_fn)
-            x, act = mlp_fn(x, self._all_reduce(F.linear(o, att.linear_proj.weight)),
+            x, act = mlp_fn(x, self._all_reduce(self._mm(o, att.linear_proj.weight)),
                             layer.pre_mlp_layernorm.weight, mlp.linear_fc1.weight, eps)
-            if self.tp is None:  # the residual add in fc2's GEMM epilogue (beta = 1), in place
-                # on mlp_fn's fresh x: no add kernel and no copy of x into a new output
-                x = x.addmm_(act, mlp.linear_fc2.weight.t())
+            if self.tp is None:  # the residual add in fc2's GEMM epilogue, in place on
+                # mlp_fn's fresh x: no add kernel and no copy of x into a new output
+                x = self._mm(act, mlp.linear_fc2.weight, residual=x)
             else:
-                x = x + self._all_reduce(F.linear(act, mlp.linear_fc2.weight))
+                x = x + self._all_reduce(self._mm(act, mlp.linear_fc2.weight))
         return x
+
+    def _mm(self, x, w, residual=None):
+        """x W^T (+ residual, in place on it) on the `decode_gemm` path."""
+        if self.gemm == "triton":
+            return few_row_linear(x, w, residual=residual, out=residual)
+        if residual is None:
+            return F.linear(x, w)
+        return residual.addmm_(x, w.t())
 
     def _weights_moved(self) -> bool:
         ptrs = tuple(p.data_ptr() for p in self.module.parameters())
@@ -398,6 +428,7 @@ class LeanDecoder:
             self._graphs.clear()
             self._pool = None  # a pool whose graphs are gone cannot be captured into again
             self._blocks = self.fused_blocks and self._blocks_ok()
+            self._check_gemm()
 
     @torch.no_grad()
     def decode(self, kv_len: int) -> torch.Tensor:
