@@ -472,9 +472,9 @@ class RolloutConfig:
     Other than auto is refused with an external or the diffusion engine."""
 
     decode_gemm: Literal["auto", "triton", "torch"] = "auto"
-    """Built-in engine, lean decoder on CUDA: the decode step's attention output projection and
-    fc2 (with its residual add) -- GEMMs of a few rows (the decoding slots) against a layer's
-    weight (rollout/few_row_gemm.py). auto (cuBLAS) | triton (the few-row split-K Triton GEMM;
+    """Built-in engine, lean decoder on CUDA: the decode step's four GEMMs (QKV, attention output
+    projection, fc1, fc2 with its residual add) -- a few rows (the decoding slots) against a
+    layer's weight (rollout/few_row_gemm.py). auto (cuBLAS) | triton (the few-row split-K Triton GEMM;
     refused without triton or CUDA, and when rollout.max_batch_size exceeds its 128 rows) |
     torch (cuBLAS: F.linear / addmm, the reference). Other than auto is refused with an
     external or the diffusion engine."""

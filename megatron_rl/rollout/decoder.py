@@ -16,8 +16,8 @@ overhead per token. For generation the engine instead runs this forward, which
   keys only (`rollout/decode_attention.py`; `decode_attention="torch"` keeps the torch path);
   with RoPE over the whole head the kernel also applies the q/k norm and RoPE to the raw QKV
   rows (its prologue), so a layer runs norm, QKV GEMM, attention, proj GEMM, norm, fc1 GEMM,
-  SwiGLU and fc2 GEMM (+ residual) and nothing else; with `decode_gemm="triton"` the proj and
-  fc2 GEMMs (few rows against a layer's weight) run as one split-K Triton launch each
+  SwiGLU and fc2 GEMM (+ residual) and nothing else; with `decode_gemm="triton"` the four
+  GEMMs (few rows against a layer's weight) run as one split-K Triton launch each
   (`rollout/few_row_gemm.py`) instead of cuBLAS;
 * on CUDA captures the decode step once per (slots, length bucket) in a CUDA graph: one
   replay per token instead of hundreds of launches. Graphs are dropped when a weight tensor is
@@ -52,7 +52,12 @@ from megatron_rl.rollout.decode_attention import (
     length_bias,
     resolve_decode_attention,
 )
-from megatron_rl.rollout.few_row_gemm import MAX_ROWS, few_row_linear, resolve_decode_gemm
+from megatron_rl.rollout.few_row_gemm import (
+    MAX_ROWS,
+    few_row_linear,
+    resolve_decode_gemm,
+    rows_linear,
+)
 
 
 def length_bucket(n: int, max_len: int, quantum: int = 64) -> int:
@@ -80,8 +85,8 @@ class LeanDecoder:
         step's cache write + attention as the fused Triton kernel (auto: on CUDA with triton
         installed and head_dim in decode_attention.HEAD_DIMS) or as index writes + `attend_block`;
         an explicit triton that cannot run is refused (ValueError). decode_gemm
-        (`rollout.decode_gemm`): auto | triton | torch -- the fused blocks' proj and fc2 GEMMs
-        as `few_row_linear` (triton) or cuBLAS (auto, torch); triton is refused without triton
+        (`rollout.decode_gemm`): auto | triton | torch -- the fused blocks' four GEMMs as
+        `few_row_linear` (triton) or cuBLAS (auto, torch); triton is refused without triton
         or CUDA, and by `allocate` for more than few_row_gemm.MAX_ROWS slots."""
         cfg = module.config
         if ps.pp_size > 1:
@@ -382,6 +387,7 @@ class LeanDecoder:
         qkv_fn, attend_fn, mlp_fn = self._block_fns()
         eps = self.eps
         per = self.heads // self.groups
+        few = self.gemm == "triton"
         for li, layer in enumerate(self.layers):
             att, mlp = layer.self_attention, layer.mlp
             qn, kn = _qk_norm(att, "q_layernorm"), _qk_norm(att, "k_layernorm")
@@ -389,17 +395,18 @@ class LeanDecoder:
             ln, qkv_w = layer.input_layernorm.weight, att.linear_qkv.weight
             qkv_b = getattr(att.linear_qkv, "bias", None)
             if self._prologue:  # q/k norm + RoPE inside the attention kernel
-                qkv = qkv_fn(x, ln, qkv_w, qkv_b, eps, self.groups, per)
+                qkv = qkv_fn(x, ln, qkv_w, qkv_b, eps, self.groups, per, few)
                 o = decode_attention(qkv[:, :, :per], qkv[:, :, per], qkv[:, :, per + 1],
                                      self.k[li], self.v[li], self.positions, self.scale, kv_len,
                                      splits=self.attention_splits,
                                      prologue=Prologue(self._cos, self._sin, qn, kn, eps),
                                      prefix=self._prefix())
             else:
-                q, k, v = qkv_fn(x, ln, qkv_w, qkv_b, qn, kn, cos, sin, eps, self.groups, per)
+                q, k, v = qkv_fn(x, ln, qkv_w, qkv_b, qn, kn, cos, sin, eps, self.groups, per,
+                                 few)
                 o = self._attend(li, q, k, v, bias, kv_len, attend_fn)
             x, act = mlp_fn(x, self._all_reduce(self._mm(o, att.linear_proj.weight)),
-                            layer.pre_mlp_layernorm.weight, mlp.linear_fc1.weight, eps)
+                            layer.pre_mlp_layernorm.weight, mlp.linear_fc1.weight, eps, few)
             if self.tp is None:  # the residual add in fc2's GEMM epilogue, in place on
                 # mlp_fn's fresh x: no add kernel and no copy of x into a new output
                 x = self._mm(act, mlp.linear_fc2.weight, residual=x)
@@ -474,10 +481,12 @@ def _rope_half(x, cos, sin):
     return torch.cat((t, rest), dim=-1) if rest.shape[-1] else t
 
 
-def qkv_block(x, ln_w, qkv_w, qkv_b, qn_w, kn_w, cos, sin, eps: float, groups: int, per: int):
+def qkv_block(x, ln_w, qkv_w, qkv_b, qn_w, kn_w, cos, sin, eps: float, groups: int, per: int,
+              few_rows: bool = False):
     """[B, H] -> q [B, groups*per, d], k/v [B, groups, d]: input RMSNorm, the (column-parallel)
-    QKV projection in Megatron's per-group [q x per, k, v] layout, q/k RMSNorm, RoPE."""
-    qkv = F.linear(rms_norm_reference(x, ln_w, eps), qkv_w, qkv_b)
+    QKV projection in Megatron's per-group [q x per, k, v] layout, q/k RMSNorm, RoPE.
+    few_rows: the GEMM as few_row_gemm's kernel (`rows_linear`)."""
+    qkv = rows_linear(rms_norm_reference(x, ln_w, eps), qkv_w, qkv_b, few_rows)
     B = x.shape[0]
     qkv = qkv.view(B, groups, per + 2, -1)
     q = qkv[:, :, :per].reshape(B, groups * per, -1)
@@ -487,15 +496,17 @@ def qkv_block(x, ln_w, qkv_w, qkv_b, qn_w, kn_w, cos, sin, eps: float, groups: i
     return _rope_half(q, cos, sin), _rope_half(k, cos, sin), v.contiguous()
 
 
-def qkv_raw_block(x, ln_w, qkv_w, qkv_b, eps: float, groups: int, per: int):
+def qkv_raw_block(x, ln_w, qkv_w, qkv_b, eps: float, groups: int, per: int,
+                  few_rows: bool = False):
     """`qkv_block` up to its GEMM: [B, H] -> the projection rows [B, groups, per + 2, d] (q x
     per, k, v per group), for the attention kernel's prologue (decode_attention.Prologue)."""
-    qkv = F.linear(rms_norm_reference(x, ln_w, eps), qkv_w, qkv_b)
+    qkv = rows_linear(rms_norm_reference(x, ln_w, eps), qkv_w, qkv_b, few_rows)
     return qkv.view(x.shape[0], groups, per + 2, -1)
 
 
-def mlp_in_block(x, attn_out, ln_w, fc1_w, eps: float):
+def mlp_in_block(x, attn_out, ln_w, fc1_w, eps: float, few_rows: bool = False):
     """Residual add of the attention output, pre-MLP RMSNorm, fc1 and SwiGLU -> (x, act)."""
     x = x + attn_out
-    gate, up = F.linear(rms_norm_reference(x, ln_w, eps), fc1_w).chunk(2, dim=-1)
+    gate, up = rows_linear(rms_norm_reference(x, ln_w, eps), fc1_w, None,
+                           few_rows).chunk(2, dim=-1)
     return x, F.silu(gate) * up

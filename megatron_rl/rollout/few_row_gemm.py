@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.nn.functional as F
 
 try:
     import triton
@@ -63,6 +64,17 @@ def few_row_linear_reference(x: torch.Tensor, w: torch.Tensor,
     if out is residual:
         return out.addmm_(x, w.t())
     return torch.addmm(residual, x, w.t(), out=out)
+
+
+def rows_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
+                few_rows: bool = False) -> torch.Tensor:
+    """F.linear(x, w, b), or (few_rows) `few_row_linear` then + b: the form the decoder's
+    compiled blocks call -- inside torch.compile the kernel runs as the opaque custom op
+    `megatron_rl::few_row_linear`, as cuBLAS's GEMM is an opaque call there."""
+    if not few_rows:
+        return F.linear(x, w, b)
+    y = torch.ops.megatron_rl.few_row_linear(x, w)
+    return y if b is None else y + b
 
 
 def gemm_config(m: int, n: int, k: int, sms: int) -> tuple[int, int, int, int, int]:
@@ -182,3 +194,11 @@ if triton is not None:
                 tl.store(Y + rm[:, None] * s_y + rn[None, :], total.to(Y.dtype.element_ty),
                          mask=ok)
                 tl.atomic_xchg(COUNTS + t, 0)  # ready for the next launch
+
+    @torch.library.custom_op("megatron_rl::few_row_linear", mutates_args=())
+    def _few_row_op(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return few_row_linear(x.contiguous(), w)
+
+    @_few_row_op.register_fake
+    def _few_row_op_fake(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return x.new_empty(x.shape[0], w.shape[0])

@@ -96,7 +96,7 @@ class LocalEngine:
         routed to (`Sample.routed_experts`, for the actor's routing replay);
         decode_attention: the lean decoder's decode attention, auto | triton | torch
         (`rollout.decode_attention`, rollout/decode_attention.py); decode_gemm: its decode
-        step's projection and fc2 GEMMs, auto | triton | torch (`rollout.decode_gemm`,
+        step's GEMMs, auto | triton | torch (`rollout.decode_gemm`,
         rollout/few_row_gemm.py)."""
         if ps.pp_size > 1:
             raise ValueError(

@@ -1,6 +1,6 @@
 """Run under TRITON_INTERPRET=1 by test_few_row_gemm.py: each case (JSON on argv) runs
 `few_row_linear` and its reference, or ({"decoder": true}) the lean decoder of a tiny fp32
-Qwen3 with its proj / fc2 GEMMs on the kernel against cuBLAS's path (greedy, continuous
+Qwen3 with its GEMMs on the kernel against cuBLAS's path (greedy, continuous
 batching); prints one JSON line per case."""
 
 import json

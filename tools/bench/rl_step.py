@@ -90,7 +90,7 @@ def main() -> None:
                     help="the decode attention kernel's launch (rollout/decode_attention.py) "
                          "instead of launch_config's: the A/B of a tile sweep's best")
     ap.add_argument("--decode-gemm", choices=["auto", "triton", "torch"], default="auto",
-                    help="rollout.decode_gemm: the decode step's proj / fc2 GEMMs "
+                    help="rollout.decode_gemm: the decode step's four GEMMs "
                          "(rollout/few_row_gemm.py)")
     ap.add_argument("--profile-step", type=int, default=0, metavar="N",
                     help="run step N under torch.profiler (trainer.profile_steps=[N]) and print "
