@@ -5,6 +5,7 @@ the RL loop through the CLI.
     proc = run_torchrun(["tests/distributed/_worker.py", "arg"])  # 2 gloo ranks, own free port
     out = train_cli(tiny_rl(max_new_tokens=4) + [DENSE_REWARD, f"trainer.output_dir={d}"], cwd)
     rows = metrics_rows(d)                                       # metrics.jsonl, one dict a line
+    a, b = at_once(lambda: train_cli(x, cwd), lambda: train_cli(y, cwd))  # side by side
 
 `run_torchrun` runs `python -m torch.distributed.run --nproc_per_node N --standalone` (its own free port)
 with OMP_NUM_THREADS=1 and HF_HUB_OFFLINE=1 from the repository root, and raises with the
@@ -18,6 +19,7 @@ import os
 import socket
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -44,6 +46,18 @@ def train_cli(args: list[str], cwd, timeout: int = 600) -> subprocess.CompletedP
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
     return subprocess.run([sys.executable, "-m", "megatron_rl.cli", "train", *args], cwd=cwd,
                           env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def at_once(*calls):
+    """Call the zero-argument `calls` two at a time (threads) and return their results in order.
+
+    For independent one-thread child processes (train_cli's runs): the CI machine has two cores,
+    and a child spends most of a short run importing torch and Megatron on one of them, so two
+    side by side take about 60% of the wall time of one after the other (2-core development
+    machine); their numbers are the ones they give one after the other.
+    """
+    with ThreadPoolExecutor(2) as pool:
+        return [f.result() for f in [pool.submit(c) for c in calls]]
 
 
 def metrics_rows(run_dir, drop_prefixes: tuple[str, ...] = ()) -> list[dict]:

@@ -9,7 +9,7 @@ import pytest
 
 from megatron_rl.actor.learner import check_old_logprobs, old_logprobs_from_update
 from megatron_rl.config import RLConfig
-from tests.helpers import DENSE_REWARD, metrics_rows, tiny_rl
+from tests.helpers import DENSE_REWARD, at_once, metrics_rows, tiny_rl
 from tests.helpers import train_cli as _train
 
 BASE = tiny_rl(max_new_tokens=6, lr=1e-2) + ["trainer.total_steps=3"]
@@ -28,13 +28,13 @@ def _stored_old(run_dir, step):
 
 
 def test_train_forward_reproduces_recompute(tmp_path):
-    runs = {}
-    for mode in ("recompute", "train_forward"):
-        out = tmp_path / mode
-        r = _train(BASE + [DENSE, f"trainer.old_logprobs={mode}", f"trainer.output_dir={out}"],
-                   tmp_path)
+    runs = {mode: tmp_path / mode for mode in ("recompute", "train_forward")}
+    procs = at_once(*(
+        lambda mode=mode: _train(BASE + [DENSE, f"trainer.old_logprobs={mode}",
+                                         f"trainer.output_dir={runs[mode]}"], tmp_path)
+        for mode in runs))
+    for r in procs:
         assert r.returncode == 0, r.stderr[-3000:]
-        runs[mode] = out
     a, b = _rows(runs["recompute"]), _rows(runs["train_forward"])
     assert len(a) == len(b) and any("actor/pg_loss" in x for x in a)
     for ra, rb in zip(a, b, strict=True):
