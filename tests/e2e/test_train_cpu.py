@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from tests.helpers import DENSE_REWARD, REPO, metrics_rows, tiny_rl
+from tests.helpers import DENSE_REWARD, REPO, at_once, metrics_rows, tiny_rl
 from tests.helpers import train_cli as train
 
 BASE = tiny_rl(max_new_tokens=4, lr=1e-3)
@@ -34,11 +34,12 @@ DENSE = [DENSE_REWARD]
 def test_resume_reproduces_uninterrupted_run(tmp_path):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     base = BASE + DENSE
-    r = train(base + ["trainer.total_steps=4", f"trainer.output_dir={straight}"], tmp_path)
-    assert r.returncode == 0, r.stderr[-3000:]
-    r = train(base + ["trainer.total_steps=2", "trainer.save_interval=2",
-                      f"trainer.output_dir={resumed}"], tmp_path)
-    assert r.returncode == 0, r.stderr[-3000:]
+    for r in at_once(  # the straight run and the first half of the resumed one, side by side
+            lambda: train(base + ["trainer.total_steps=4", f"trainer.output_dir={straight}"],
+                          tmp_path),
+            lambda: train(base + ["trainer.total_steps=2", "trainer.save_interval=2",
+                                  f"trainer.output_dir={resumed}"], tmp_path)):
+        assert r.returncode == 0, r.stderr[-3000:]
     assert os.path.isdir(resumed / "checkpoints" / "step_000002")
     r = train(base + ["trainer.total_steps=4", f"trainer.output_dir={resumed}"], tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
