@@ -25,6 +25,8 @@ import warnings
 
 import pytest
 
+from tests.helpers import at_once
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BASE = [
     "model.tiny.hidden_size=32", "model.tiny.intermediate_size=64", "model.tiny.num_hidden_layers=2",
@@ -215,15 +217,26 @@ def test_bad_input_is_refused_naming_it(case, inputs, single_rank, capsys):
     assert {k: _digest(inputs[k]) for k in before} == before, f"{case[0]} touched a run's files"
 
 
+@pytest.fixture(scope="module")
+def refused(inputs):
+    """The SUBPROCESS cases' processes, two at a time (one-thread children on the two cores):
+    (the run's digest before them, name -> finished process, the digest after them)."""
+    before = _digest(inputs["run"])
+    procs = at_once(*(lambda case=case: _cli(_args(case, inputs))
+                      for case in CASES if case[0] in SUBPROCESS))
+    names = [case[0] for case in CASES if case[0] in SUBPROCESS]
+    return before, dict(zip(names, procs, strict=True)), _digest(inputs["run"])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", SUBPROCESS)
-def test_bad_input_exit_code_of_the_process(name, inputs):
+def test_bad_input_exit_code_of_the_process(name, refused):
     case = next(c for c in CASES if c[0] == name)
-    before = _digest(inputs["run"])
-    r = _cli(_args(case, inputs))
+    before, procs, after = refused
+    r = procs[name]
     assert r.returncode == 2, r.stderr[-2000:]
     _check_message(case, r.stderr)
-    assert _digest(inputs["run"]) == before
+    assert after == before
 
 
 def test_a_single_path_is_accepted_where_a_list_is(tmp_path):
@@ -278,11 +291,13 @@ def test_init_from_a_run_checkpoint_equals_its_hf_export(inputs):
     """trainer.init_from accepts a megatron-rl checkpoint (checkpoints/step_N) as its docstring
     says: evaluating it gives what evaluating the same weights exported as HF gives."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO, HF_HUB_OFFLINE="1")
-    outs = []
-    for folder in ("checkpoints/step_000002", "final"):
+
+    def evaluate(folder: str) -> dict:
         r = subprocess.run([sys.executable, "-m", "megatron_rl.cli", "eval", *BASE,
                             f"trainer.init_from={inputs['run']}/{folder}"], cwd=REPO, env=env,
                            capture_output=True, text=True, timeout=600)
         assert r.returncode == 0, r.stderr[-3000:]
-        outs.append(json.loads(r.stdout.strip().splitlines()[-1]))
+        return json.loads(r.stdout.strip().splitlines()[-1])
+
+    outs = at_once(lambda: evaluate("checkpoints/step_000002"), lambda: evaluate("final"))
     assert outs[0] == outs[1]
