@@ -471,14 +471,6 @@ class RolloutConfig:
     run) | torch (index writes + batched matmuls over the length bucket, the reference).
     Other than auto is refused with an external or the diffusion engine."""
 
-    decode_gemm: Literal["auto", "triton", "torch"] = "auto"
-    """Built-in engine, lean decoder on CUDA: the decode step's four GEMMs (QKV, attention output
-    projection, fc1, fc2 with its residual add) -- a few rows (the decoding slots) against a
-    layer's weight (rollout/few_row_gemm.py). auto (cuBLAS) | triton (the few-row split-K Triton GEMM;
-    refused without triton or CUDA, and when rollout.max_batch_size exceeds its 128 rows) |
-    torch (cuBLAS: F.linear / addmm, the reference). Other than auto is refused with an
-    external or the diffusion engine."""
-
     val_temperature: float = 0.0
     """Temperature used for evaluation (0 = greedy pass@1)."""
 

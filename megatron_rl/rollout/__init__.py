@@ -85,10 +85,6 @@ def check_engine(rollout_cfg, kind: ModelKind, *, darts: bool = False) -> str:
         raise ValueError(f"config field `rollout.decode_attention`: "
                          f"{rollout_cfg.decode_attention!r} selects the built-in engine's decode "
                          f"attention; rollout.engine={name} does its own. Leave it at auto")
-    if name != "local" and rollout_cfg.decode_gemm != "auto":
-        raise ValueError(f"config field `rollout.decode_gemm`: {rollout_cfg.decode_gemm!r} "
-                         f"selects the built-in engine's decode GEMMs; rollout.engine={name} "
-                         f"does its own. Leave it at auto")
     if name != "local" and not rollout_cfg.keep_decode_graphs:
         raise ValueError(f"config field `rollout.keep_decode_graphs`: false applies to the "
                          f"built-in engine's decode graphs; rollout.engine={name} has none of "

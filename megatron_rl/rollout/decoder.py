@@ -16,9 +16,7 @@ overhead per token. For generation the engine instead runs this forward, which
   keys only (`rollout/decode_attention.py`; `decode_attention="torch"` keeps the torch path);
   with RoPE over the whole head the kernel also applies the q/k norm and RoPE to the raw QKV
   rows (its prologue), so a layer runs norm, QKV GEMM, attention, proj GEMM, norm, fc1 GEMM,
-  SwiGLU and fc2 GEMM (+ residual) and nothing else; with `decode_gemm="triton"` the four
-  GEMMs (few rows against a layer's weight) run as one split-K Triton launch each
-  (`rollout/few_row_gemm.py`) instead of cuBLAS;
+  SwiGLU and fc2 GEMM (+ residual) and nothing else;
 * on CUDA captures the decode step once per (slots, length bucket) in a CUDA graph: one
   replay per token instead of hundreds of launches. Graphs are dropped when a weight tensor is
   re-allocated (pointer check) or on `release()`.
@@ -52,12 +50,6 @@ from megatron_rl.rollout.decode_attention import (
     length_bias,
     resolve_decode_attention,
 )
-from megatron_rl.rollout.few_row_gemm import (
-    MAX_ROWS,
-    few_row_linear,
-    resolve_decode_gemm,
-    rows_linear,
-)
 
 
 def length_bucket(n: int, max_len: int, quantum: int = 64) -> int:
@@ -77,17 +69,13 @@ class LeanDecoder:
     """
 
     def __init__(self, module, ps: ParallelState, use_cuda_graphs: bool | None = None,
-                 fused_blocks: bool = True, decode_attention: str = "auto",
-                 decode_gemm: str = "auto"):
+                 fused_blocks: bool = True, decode_attention: str = "auto"):
         """fused_blocks: decode dense layers through `qkv_block` / `attend_block` /
         `mlp_in_block` (compiled on CUDA) instead of the generic module-by-module path.
         decode_attention (`rollout.decode_attention`): auto | triton | torch -- each decode
         step's cache write + attention as the fused Triton kernel (auto: on CUDA with triton
         installed and head_dim in decode_attention.HEAD_DIMS) or as index writes + `attend_block`;
-        an explicit triton that cannot run is refused (ValueError). decode_gemm
-        (`rollout.decode_gemm`): auto | triton | torch -- the fused blocks' four GEMMs as
-        `few_row_linear` (triton) or cuBLAS (auto, torch); triton is refused without triton
-        or CUDA, and by `allocate` for more than few_row_gemm.MAX_ROWS slots."""
+        an explicit triton that cannot run is refused (ValueError)."""
         cfg = module.config
         if ps.pp_size > 1:
             raise ValueError("parallel.pipeline_model_parallel_size > 1: the lean decoder needs "
@@ -114,7 +102,6 @@ class LeanDecoder:
         self.head_dim = cfg.kv_channels
         self.attention = resolve_decode_attention(decode_attention, ps.device.type == "cuda",
                                                   self.head_dim)
-        self.gemm = resolve_decode_gemm(decode_gemm, ps.device.type == "cuda")
         core = self.layers[0].self_attention.core_attention
         self.scale = float(getattr(core, "softmax_scale", None) or self.head_dim ** -0.5)
         rope = module.rotary_pos_emb
@@ -138,27 +125,13 @@ class LeanDecoder:
         choice); set by benchmarks to compare."""
         self.fused_blocks = fused_blocks
         self._blocks = fused_blocks and self._blocks_ok()
-        self._check_gemm()
         self._fns = None
-
-    def _check_gemm(self) -> None:
-        """decode_gemm=triton covers the fused blocks' GEMMs: refuse it where the layers run
-        the generic path (MoE, LoRA, row-parallel biases, non-RMSNorm norms)."""
-        if self.gemm == "triton" and not self._blocks:
-            raise ValueError("config field `rollout.decode_gemm`: triton applies to the lean "
-                             "decoder's fused dense blocks; this model's layers (MoE, LoRA, "
-                             "biases or another norm) run the generic path. Use "
-                             "rollout.decode_gemm=auto or torch")
 
     # -- memory ----------------------------------------------------------------------------
     def allocate(self, slots: int, max_len: int) -> None:
         """(Re)allocate the KV cache and the static decode inputs for `slots` x `max_len`."""
         if self.k is not None and self.slots == slots and self.max_len >= max_len:
             return
-        if self.gemm == "triton" and slots > MAX_ROWS:
-            raise ValueError(f"config field `rollout.decode_gemm`: the triton GEMM takes at most "
-                             f"{MAX_ROWS} slots, the engine asked for {slots}; lower "
-                             "rollout.max_batch_size or use rollout.decode_gemm=auto or torch")
         self.release()
         shape = (len(self.layers), slots, self.groups, max_len, self.head_dim)
         # zeros, not empty: masked keys get probability 0, and 0 * NaN garbage would be NaN
@@ -387,7 +360,6 @@ class LeanDecoder:
         qkv_fn, attend_fn, mlp_fn = self._block_fns()
         eps = self.eps
         per = self.heads // self.groups
-        few = self.gemm == "triton"
         for li, layer in enumerate(self.layers):
             att, mlp = layer.self_attention, layer.mlp
             qn, kn = _qk_norm(att, "q_layernorm"), _qk_norm(att, "k_layernorm")
@@ -395,32 +367,23 @@ class LeanDecoder:
             ln, qkv_w = layer.input_layernorm.weight, att.linear_qkv.weight
             qkv_b = getattr(att.linear_qkv, "bias", None)
             if self._prologue:  # q/k norm + RoPE inside the attention kernel
-                qkv = qkv_fn(x, ln, qkv_w, qkv_b, eps, self.groups, per, few)
+                qkv = qkv_fn(x, ln, qkv_w, qkv_b, eps, self.groups, per)
                 o = decode_attention(qkv[:, :, :per], qkv[:, :, per], qkv[:, :, per + 1],
                                      self.k[li], self.v[li], self.positions, self.scale, kv_len,
                                      splits=self.attention_splits,
                                      prologue=Prologue(self._cos, self._sin, qn, kn, eps),
                                      prefix=self._prefix())
             else:
-                q, k, v = qkv_fn(x, ln, qkv_w, qkv_b, qn, kn, cos, sin, eps, self.groups, per,
-                                 few)
+                q, k, v = qkv_fn(x, ln, qkv_w, qkv_b, qn, kn, cos, sin, eps, self.groups, per)
                 o = self._attend(li, q, k, v, bias, kv_len, attend_fn)
-            x, act = mlp_fn(x, self._all_reduce(self._mm(o, att.linear_proj.weight)),
-                            layer.pre_mlp_layernorm.weight, mlp.linear_fc1.weight, eps, few)
-            if self.tp is None:  # the residual add in fc2's GEMM epilogue, in place on
-                # mlp_fn's fresh x: no add kernel and no copy of x into a new output
-                x = self._mm(act, mlp.linear_fc2.weight, residual=x)
+            x, act = mlp_fn(x, self._all_reduce(F.linear(o, att.linear_proj.weight)),
+                            layer.pre_mlp_layernorm.weight, mlp.linear_fc1.weight, eps)
+            if self.tp is None:  # the residual add in fc2's GEMM epilogue (beta = 1), in place
+                # on mlp_fn's fresh x: no add kernel and no copy of x into a new output
+                x = x.addmm_(act, mlp.linear_fc2.weight.t())
             else:
-                x = x + self._all_reduce(self._mm(act, mlp.linear_fc2.weight))
+                x = x + self._all_reduce(F.linear(act, mlp.linear_fc2.weight))
         return x
-
-    def _mm(self, x, w, residual=None):
-        """x W^T (+ residual, in place on it) on the `decode_gemm` path."""
-        if self.gemm == "triton":
-            return few_row_linear(x, w, residual=residual, out=residual)
-        if residual is None:
-            return F.linear(x, w)
-        return residual.addmm_(x, w.t())
 
     def _weights_moved(self) -> bool:
         ptrs = tuple(p.data_ptr() for p in self.module.parameters())
@@ -435,7 +398,6 @@ class LeanDecoder:
             self._graphs.clear()
             self._pool = None  # a pool whose graphs are gone cannot be captured into again
             self._blocks = self.fused_blocks and self._blocks_ok()
-            self._check_gemm()
 
     @torch.no_grad()
     def decode(self, kv_len: int) -> torch.Tensor:
@@ -481,12 +443,10 @@ def _rope_half(x, cos, sin):
     return torch.cat((t, rest), dim=-1) if rest.shape[-1] else t
 
 
-def qkv_block(x, ln_w, qkv_w, qkv_b, qn_w, kn_w, cos, sin, eps: float, groups: int, per: int,
-              few_rows: bool = False):
+def qkv_block(x, ln_w, qkv_w, qkv_b, qn_w, kn_w, cos, sin, eps: float, groups: int, per: int):
     """[B, H] -> q [B, groups*per, d], k/v [B, groups, d]: input RMSNorm, the (column-parallel)
-    QKV projection in Megatron's per-group [q x per, k, v] layout, q/k RMSNorm, RoPE.
-    few_rows: the GEMM as few_row_gemm's kernel (`rows_linear`)."""
-    qkv = rows_linear(rms_norm_reference(x, ln_w, eps), qkv_w, qkv_b, few_rows)
+    QKV projection in Megatron's per-group [q x per, k, v] layout, q/k RMSNorm, RoPE."""
+    qkv = F.linear(rms_norm_reference(x, ln_w, eps), qkv_w, qkv_b)
     B = x.shape[0]
     qkv = qkv.view(B, groups, per + 2, -1)
     q = qkv[:, :, :per].reshape(B, groups * per, -1)
@@ -496,17 +456,15 @@ def qkv_block(x, ln_w, qkv_w, qkv_b, qn_w, kn_w, cos, sin, eps: float, groups: i
     return _rope_half(q, cos, sin), _rope_half(k, cos, sin), v.contiguous()
 
 
-def qkv_raw_block(x, ln_w, qkv_w, qkv_b, eps: float, groups: int, per: int,
-                  few_rows: bool = False):
+def qkv_raw_block(x, ln_w, qkv_w, qkv_b, eps: float, groups: int, per: int):
     """`qkv_block` up to its GEMM: [B, H] -> the projection rows [B, groups, per + 2, d] (q x
     per, k, v per group), for the attention kernel's prologue (decode_attention.Prologue)."""
-    qkv = rows_linear(rms_norm_reference(x, ln_w, eps), qkv_w, qkv_b, few_rows)
+    qkv = F.linear(rms_norm_reference(x, ln_w, eps), qkv_w, qkv_b)
     return qkv.view(x.shape[0], groups, per + 2, -1)
 
 
-def mlp_in_block(x, attn_out, ln_w, fc1_w, eps: float, few_rows: bool = False):
+def mlp_in_block(x, attn_out, ln_w, fc1_w, eps: float):
     """Residual add of the attention output, pre-MLP RMSNorm, fc1 and SwiGLU -> (x, act)."""
     x = x + attn_out
-    gate, up = rows_linear(rms_norm_reference(x, ln_w, eps), fc1_w, None,
-                           few_rows).chunk(2, dim=-1)
+    gate, up = F.linear(rms_norm_reference(x, ln_w, eps), fc1_w).chunk(2, dim=-1)
     return x, F.silu(gate) * up

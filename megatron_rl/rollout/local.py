@@ -46,7 +46,6 @@ from megatron_rl.rollout.decode_attention import resolve_decode_attention
 from megatron_rl.rollout.decoder import LeanDecoder, length_bucket
 from megatron_rl.rollout.engine import SamplingParams
 from megatron_rl.rollout.exp_race import exp_race_sample, exp_race_sample_triton
-from megatron_rl.rollout.few_row_gemm import MAX_ROWS, resolve_decode_gemm
 from megatron_rl.types import Sample
 
 
@@ -88,16 +87,13 @@ class LocalEngine:
         prefill_tokens: int = 65536,
         record_routing: bool = False,
         decode_attention: str = "auto",
-        decode_gemm: str = "auto",
     ):
         """decoder: auto | lean | megatron (see the module docstring); cuda_graphs: None = on
         for dense models on CUDA; prefill_tokens: most (padded) prompt tokens per prefill;
         record_routing: MoE, lean decoder: every Sample carries the experts its tokens were
         routed to (`Sample.routed_experts`, for the actor's routing replay);
         decode_attention: the lean decoder's decode attention, auto | triton | torch
-        (`rollout.decode_attention`, rollout/decode_attention.py); decode_gemm: its decode
-        step's GEMMs, auto | triton | torch (`rollout.decode_gemm`,
-        rollout/few_row_gemm.py)."""
+        (`rollout.decode_attention`, rollout/decode_attention.py)."""
         if ps.pp_size > 1:
             raise ValueError(
                 "config field `rollout.engine`: the built-in engine does not support pipeline "
@@ -113,9 +109,6 @@ class LocalEngine:
         if decoder == "megatron" and decode_attention != "auto":
             raise ValueError("config field `rollout.decode_attention` is the lean decoder's; "
                              "the megatron decoder runs Megatron's own attention")
-        if decoder == "megatron" and decode_gemm != "auto":
-            raise ValueError("config field `rollout.decode_gemm` is the lean decoder's; "
-                             "the megatron decoder runs Megatron's own layers")
         self.module = module
         self.ps = ps
         self.pad_id = pad_id
@@ -140,8 +133,7 @@ class LocalEngine:
         prompt (the reference the tests compare against)."""
         self.shared_prompts = 0  # requests whose prompt was prefilled for another one (tests)
         self.record_routing = record_routing
-        self._lean = (LeanDecoder(module, ps, cuda_graphs, decode_attention=decode_attention,
-                                  decode_gemm=decode_gemm)
+        self._lean = (LeanDecoder(module, ps, cuda_graphs, decode_attention=decode_attention)
                       if self.decoder_kind == "lean" else None)
         self._exp_race = None
 
@@ -656,24 +648,15 @@ def build(ctx) -> LocalEngine:
     engine = LocalEngine(ctx.module, ctx.ps, pad_id=tok.pad_token_id or 0, tokenizer=tok,
                          max_batch_size=ctx.cfg.rollout.max_batch_size, seed=ctx.seed,
                          record_routing=bool(rc is not None and rc.routing_replay),
-                         decode_attention=ctx.cfg.rollout.decode_attention,
-                         decode_gemm=ctx.cfg.rollout.decode_gemm)
+                         decode_attention=ctx.cfg.rollout.decode_attention)
     engine.keep_graphs = ctx.cfg.rollout.keep_decode_graphs
     return engine
 
 
 def check_available(rollout_cfg) -> None:
-    """Refuse, before any model is built, `rollout.decode_attention=triton` or
-    `rollout.decode_gemm=triton` without triton or CUDA, and the triton GEMM for more slots
-    than it takes (LeanDecoder refuses the same, and a head_dim the kernel lacks, at
-    construction or allocation)."""
+    """Refuse, before any model is built, `rollout.decode_attention=triton` without triton or
+    CUDA (LeanDecoder refuses the same, and a head_dim the kernel lacks, at construction)."""
     resolve_decode_attention(rollout_cfg.decode_attention, torch.cuda.is_available())
-    if resolve_decode_gemm(rollout_cfg.decode_gemm, torch.cuda.is_available()) == "triton" \
-            and rollout_cfg.max_batch_size > MAX_ROWS:
-        raise ValueError(f"config field `rollout.decode_gemm`: the triton GEMM takes at most "
-                         f"{MAX_ROWS} slots and rollout.max_batch_size is "
-                         f"{rollout_cfg.max_batch_size}; lower it or use rollout.decode_gemm="
-                         "auto or torch")
 
 
 def check_layout(parallel_cfg, hf_config: dict, decode_attention: str = "auto") -> None:

@@ -89,9 +89,6 @@ def main() -> None:
     ap.add_argument("--decode-tiles", default="", metavar="BLOCK_N,WARPS,STAGES,SPLITS",
                     help="the decode attention kernel's launch (rollout/decode_attention.py) "
                          "instead of launch_config's: the A/B of a tile sweep's best")
-    ap.add_argument("--decode-gemm", choices=["auto", "triton", "torch"], default="auto",
-                    help="rollout.decode_gemm: the decode step's four GEMMs "
-                         "(rollout/few_row_gemm.py)")
     ap.add_argument("--profile-step", type=int, default=0, metavar="N",
                     help="run step N under torch.profiler (trainer.profile_steps=[N]) and print "
                          "its summary (phases, device-busy time, top ops) as a JSON line")
@@ -110,7 +107,6 @@ def main() -> None:
                                   progress_bar=False, num_eval_examples=32,
                                   micro_batch_layout=args.layout),
         )
-    cfg.rollout.decode_gemm = args.decode_gemm
     if args.profile_step:
         cfg.trainer.profile_steps = [args.profile_step]
     from megatron_rl.models import kernel_backend
@@ -145,7 +141,7 @@ def main() -> None:
     tag = {"layout": cfg.trainer.micro_batch_layout, "keep_graphs": cfg.rollout.keep_decode_graphs,
            "share_prompts": not args.no_share_prompts,
            "sampler": "compiled" if args.compiled_sampler else "auto", "kernels": args.kernels,
-           "decode_tiles": args.decode_tiles or "launch_config", "decode_gemm": args.decode_gemm}
+           "decode_tiles": args.decode_tiles or "launch_config"}
     try:
         result = train.run(cfg)
     except BaseException as e:  # the steps that finished are still figures: print them, re-raise
