@@ -922,7 +922,9 @@ class TrainerConfig:
     """Passes over each rollout batch."""
 
     micro_batch_tokens: int = 8192
-    """Token budget of one forward/backward micro-batch (the length-bucketed planner's cap)."""
+    """Token budget of one forward/backward micro-batch (the length-bucketed planner's cap). With
+    micro_batch_layout=padded it bounds rows x the longest row (the positions computed), with
+    packed the packed tokens."""
 
     old_logprobs: Literal["auto", "recompute", "train_forward"] = "auto"
     """Where pi_old's token log-probs come from (autoregressive models). recompute: a separate

@@ -104,7 +104,7 @@ class Policy:
         if self.packed:
             return self._packed_micro_batches(seqs, starts, lengths)
         out = []
-        for idx in plan_micro_batches(lengths, self.micro_batch_tokens):
+        for idx in plan_micro_batches(lengths, self.micro_batch_tokens, padded=True):
             width = max(lengths[i] for i in idx)
             if self.tcfg.sequence_parallel:  # (MoE at TP > 1) the sequence is split over TP
                 width += -width % self.ps.tp_size
