@@ -92,6 +92,9 @@ for stage in "$@"; do
            --sft-steps 60 --steps 10 --mini-batches 1 --max-new 1024 --filler-sigma 1.5 \
            --micro-batch-tokens 16384 \
            --arms grpo_s0,grpo_s1,darts_nostream_s0 ;;
+    darts_tail_mb2) run "$stage" python3 tools/bench/darts.py --out /tmp/darts_mb2 --stack-dump-s 120 \
+           --sft-steps 60 --steps 10 --mini-batches 2 --max-new 1024 --filler-sigma 1.5 \
+           --micro-batch-tokens 16384 --arms grpo_s0,darts_s0,darts_nostream_s0 ;;
     weight_sync) run "$stage" python3 tools/bench/weight_sync.py ;;
     dllm_rl) run "$stage" python3 tools/bench/dllm_rl.py --device cuda ;;
     gpu_resume) run "$stage" python3 -m pytest -m gpu tests/e2e/test_kill_resume.py -q -ra -p no:cacheprovider ;;
