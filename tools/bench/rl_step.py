@@ -89,6 +89,9 @@ def main() -> None:
     ap.add_argument("--decode-tiles", default="", metavar="BLOCK_N,WARPS,STAGES,SPLITS",
                     help="the decode attention kernel's launch (rollout/decode_attention.py) "
                          "instead of launch_config's: the A/B of a tile sweep's best")
+    ap.add_argument("--micro-batch-tokens", type=int, default=None, metavar="N",
+                    help="trainer.micro_batch_tokens (default: the configuration's; the peer's "
+                         "16,384 takes its 64 x 608-token rows in three micro-batches)")
     ap.add_argument("--profile-step", type=int, default=0, metavar="N",
                     help="run step N under torch.profiler (trainer.profile_steps=[N]) and print "
                          "its summary (phases, device-busy time, top ops) as a JSON line")
@@ -107,6 +110,8 @@ def main() -> None:
                                   progress_bar=False, num_eval_examples=32,
                                   micro_batch_layout=args.layout),
         )
+    if args.micro_batch_tokens:
+        cfg.trainer.micro_batch_tokens = args.micro_batch_tokens
     if args.profile_step:
         cfg.trainer.profile_steps = [args.profile_step]
     from megatron_rl.models import kernel_backend
@@ -141,7 +146,8 @@ def main() -> None:
     tag = {"layout": cfg.trainer.micro_batch_layout, "keep_graphs": cfg.rollout.keep_decode_graphs,
            "share_prompts": not args.no_share_prompts,
            "sampler": "compiled" if args.compiled_sampler else "auto", "kernels": args.kernels,
-           "decode_tiles": args.decode_tiles or "launch_config"}
+           "decode_tiles": args.decode_tiles or "launch_config",
+           "micro_batch_tokens": cfg.trainer.micro_batch_tokens}
     try:
         result = train.run(cfg)
     except BaseException as e:  # the steps that finished are still figures: print them, re-raise
