@@ -5,6 +5,11 @@ and a tiny LLaDA-shaped masked-diffusion LM; each run ends with a JSON line hold
 `exact_match` (held-out pass@1, greedy, decoded by the family's sampler).
 - CI (not slow): a shortened run (few steps, small eval) whose loss must fall.
 - slow: the full recipe must reach >= 25% held-out exact match (see THRESHOLD for the seeds).
+Each pair of runs (the two recipes) runs at once, one process per core with one torch thread
+each: the tiny models gain little from a second thread, and one thread gives the same numbers
+as two (2-core development machine, 2026-12-07: the full SDAR run's metrics rows at
+OMP_NUM_THREADS 1 and 2 bit-identical, step by step). Both full runs: 501 s one after the
+other with two threads, 348 s side by side.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -21,7 +27,7 @@ RECIPES = ["examples/dllm/sdar_sft_tiny.yaml", "examples/dllm/llada_sft_tiny.yam
 
 
 def _sft(recipe: str, out_dir, *overrides: str, timeout: float = 900) -> dict:
-    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
     proc = subprocess.run(
         [sys.executable, "-m", "megatron_rl.cli", "sft", "--config", recipe,
          f"trainer.output_dir={out_dir}", *overrides],
@@ -32,13 +38,35 @@ def _sft(recipe: str, out_dir, *overrides: str, timeout: float = 900) -> dict:
     return json.loads(last)
 
 
+def _both(root, *overrides: str, timeout: float = 900) -> dict[str, tuple]:
+    """Both recipes' runs at once (two processes, one thread each): recipe -> (run dir, result)."""
+
+    def one(recipe: str) -> tuple:
+        out = root / os.path.basename(recipe).removesuffix(".yaml")
+        return out, _sft(recipe, out, *overrides, timeout=timeout)
+
+    with ThreadPoolExecutor(2) as pool:
+        return dict(zip(RECIPES, pool.map(one, RECIPES), strict=True))
+
+
+@pytest.fixture(scope="module")
+def short_runs(tmp_path_factory):
+    return _both(tmp_path_factory.mktemp("dllm_sft_short"), "trainer.total_steps=24",
+                 "trainer.num_eval_examples=8", "data.num_train_examples=2000",
+                 "data.num_val_examples=8", "sft.batch_size=32")
+
+
+@pytest.fixture(scope="module")
+def full_runs(tmp_path_factory):
+    return _both(tmp_path_factory.mktemp("dllm_sft_full"), timeout=1800)
+
+
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_dllm_sft_short_run_loss_falls(recipe, tmp_path):
-    result = _sft(recipe, tmp_path / "run", "trainer.total_steps=24", "trainer.num_eval_examples=8",
-                  "data.num_train_examples=2000", "data.num_val_examples=8", "sft.batch_size=32")
+def test_dllm_sft_short_run_loss_falls(recipe, short_runs, tmp_path):
+    run, result = short_runs[recipe]
     assert "exact_match" in result and 0.0 <= result["exact_match"] <= 1.0
     assert result["loss_last"] < result["loss_first"], result
-    assert os.path.exists(tmp_path / "run" / "final" / "config.json")
+    assert os.path.exists(run / "final" / "config.json")
     if "llada" in recipe:
         # `megatron-rl eval` on the diffusion checkpoint goes through the engine registry to the
         # family's sampler: with the SFT eval's sampler settings it scores the same pass@1
@@ -51,7 +79,7 @@ def test_dllm_sft_short_run_loss_falls(recipe, tmp_path):
         env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="2")
         proc = subprocess.run(
             [sys.executable, "-m", "megatron_rl.cli", "eval", "--config", str(eval_recipe),
-             f"trainer.init_from={tmp_path / 'run' / 'final'}", "trainer.num_eval_examples=8",
+             f"trainer.init_from={run / 'final'}", "trainer.num_eval_examples=8",
              "data.num_train_examples=2000", "data.num_val_examples=8", "rollout.max_new_tokens=4",
              "rollout.diffusion.block_size=4", "rollout.diffusion.steps_per_block=4"],
             cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
@@ -70,6 +98,6 @@ THRESHOLD = 0.25
 
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_dllm_sft_learns_held_out_arithmetic(recipe, tmp_path):
-    result = _sft(recipe, tmp_path / "run", timeout=1800)
+def test_dllm_sft_learns_held_out_arithmetic(recipe, full_runs):
+    result = full_runs[recipe][1]
     assert result["exact_match"] >= THRESHOLD, result
