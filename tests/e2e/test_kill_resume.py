@@ -149,15 +149,18 @@ def test_kill_9_at_random_moments_resumes_exactly(tmp_path):
 @pytest.mark.slow
 def test_two_rank_run_with_dynamic_sampling_and_darts_resumes_exactly(tmp_path):
     sys.path.insert(0, os.path.join(REPO, "tests"))
-    from helpers import run_torchrun
+    from helpers import at_once, run_torchrun
 
     base = ["-m", "megatron_rl.cli", "train", *ARGS[:14], "trainer.eval_interval=0",
             "algorithm.dynamic_sampling=true", "rollout.darts.enabled=true",
             "rollout.darts.redundancy=1.5", "rollout.temperature=1.2",
             "optimizer.use_distributed_optimizer=true"]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    run_torchrun(base + ["trainer.total_steps=4", f"trainer.output_dir={straight}"], timeout=600)
-    run_torchrun(base + ["trainer.total_steps=2", f"trainer.output_dir={resumed}"], timeout=600)
+    at_once(  # the straight run and the first half of the resumed one, side by side
+        lambda: run_torchrun(base + ["trainer.total_steps=4", f"trainer.output_dir={straight}"],
+                             timeout=600),
+        lambda: run_torchrun(base + ["trainer.total_steps=2", f"trainer.output_dir={resumed}"],
+                             timeout=600))
     ckpt = resumed / "checkpoints" / "step_000002"
     assert (ckpt / "rank_00000.pt").exists() and (ckpt / "rank_00001.pt").exists()
     run_torchrun(base + ["trainer.total_steps=4", f"trainer.output_dir={resumed}"], timeout=600)
