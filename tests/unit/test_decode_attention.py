@@ -23,7 +23,7 @@ import types
 
 import pytest
 import torch
-from helpers import make_tiny_hf
+from helpers import at_once, make_tiny_hf
 
 from megatron_rl.actor.loading import ModelSource, build_module
 from megatron_rl.config import ModelConfig
@@ -64,15 +64,33 @@ CASES = {
     "deferred": [{"max_new": 6}, {"max_new": 13}],
     "decoder": [{"decoder": True}, {"decoder": False}],
 }
-"""Every interpreter case of this module, run in one worker process (one start-up, not six)."""
+"""Every interpreter case of this module, run in two worker processes side by side (two start-ups,
+not six; `_cost` balances them)."""
+
+
+def _cost(case: dict) -> float:
+    """Rough seconds of a case under the interpreter (2-core development machine, 2026-12-07):
+    the engine cases decode a tiny model step by step (shared 9 new tokens ~55 s, deferred 6 / 13
+    ~30 / ~60 s, decoder ~10 s); a kernel case ~1 s."""
+    if "share_max_new" in case:
+        return 6.0 * case["share_max_new"]
+    if "max_new" in case:
+        return 5.0 * case["max_new"]
+    return 10.0 if "decoder" in case else 1.0
 
 
 @pytest.fixture(scope="module")
 def interpreted() -> dict[str, list[dict]]:
-    names = [name for name, cases in CASES.items() for _ in cases]
+    flat = [(name, c) for name, cases in CASES.items() for c in cases]
+    halves: list[list[int]] = [[], []]
+    for i in sorted(range(len(flat)), key=lambda i: -_cost(flat[i][1])):  # longest first
+        min(halves, key=lambda h: sum(_cost(flat[j][1]) for j in h)).append(i)
+    results = at_once(*[(lambda h=h: _interpreted([flat[i][1] for i in h])) for h in halves])
+    by_index = {i: r for h, rs in zip(halves, results, strict=True)
+                for i, r in zip(h, rs, strict=True)}
     out: dict[str, list[dict]] = {name: [] for name in CASES}
-    for name, r in zip(names, _interpreted([c for cs in CASES.values() for c in cs]), strict=True):
-        out[name].append(r)
+    for i, (name, _) in enumerate(flat):
+        out[name].append(by_index[i])
     return out
 
 

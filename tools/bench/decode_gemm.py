@@ -58,8 +58,7 @@ def _arrivals(device: torch.device, tiles: int) -> torch.Tensor:
     """The tiles' arrival counters (int32, zero between launches: each launch's finishing
     programs reset theirs), one buffer per device and stream -- two launches in flight on one
     buffer would mix their counts."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (device, stream)
+    key = (device, torch.cuda.current_stream(device).cuda_stream)
     buf = _counters.get(key)
     if buf is None or buf.numel() < tiles:
         buf = _counters[key] = torch.zeros(max(tiles, 256), dtype=torch.int32, device=device)
