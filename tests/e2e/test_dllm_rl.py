@@ -10,10 +10,11 @@ more. Their demonstrations cover every problem of the task (`train_includes_val`
 (`distinct_val`: each problem once) holds prompts RL never trained on, and its pass@1 measures
 what RL adds there, not the arithmetic a tiny model fails to generalize.
 
-- CI (this module by default): the shortened version. Two chains run at once (two processes on
-  the two cores): LLaDA SFT then its four RL runs, SDAR SFT then BGPO. Shortened: half-width
-  two-layer models, addition only (the held-out split: its 8 problems), 500 / 250 SFT steps,
-  8 prompts x 8 samples for 30 RL steps (`CI_SFT`, `CI_RL`). Each test asserts its own run:
+- CI (this module by default): the shortened version, two processes at once on the two cores:
+  LLaDA SFT then its four RL runs, SDAR SFT then BGPO (whichever core is free takes the next).
+  Shortened: half-width two-layer models, addition only (the held-out split: its 8
+  problems), 500 / 250 SFT steps, 8 prompts x 8 samples for 30 RL steps (`CI_SFT`, `CI_RL`).
+  Each test asserts its own run:
   after - before >= MARGIN, the replayed view log-probs equal the scored ones (1e-5), every
   update of the one-update-per-rollout algorithms evaluated at pi_old (ratio exactly 1), and
   VRPO found preference pairs.
@@ -39,7 +40,7 @@ import json
 import os
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 
 import pytest
 
@@ -80,25 +81,28 @@ def _rows(run_dir) -> list[dict]:
 
 
 def _pipeline(root, full: bool) -> dict[str, dict]:
-    """Per model family, one chain: its SFT warm start, then its algorithms' RL runs; the two
-    chains run at once (one process each)."""
+    """Per model family its SFT warm start, then its algorithms' RL runs from it, on two worker
+    threads (one process each): both SFTs start at once, and each family's RL runs are queued
+    as soon as its SFT ends, so a core that finishes the short SDAR chain takes LLaDA's runs."""
 
-    def chain(model: str) -> dict[str, dict]:
-        sft = root / f"sft_{model}"
-        _cli("sft", f"examples/dllm/{model}_sft_repeat_tiny.yaml", sft,
+    def sft(model: str):
+        out = root / f"sft_{model}"
+        _cli("sft", f"examples/dllm/{model}_sft_repeat_tiny.yaml", out,
              *([] if full else [*CI_SFT_COMMON, *CI_SFT[model]]))
-        out = {}
-        for algo in (a for a, m in ALGORITHMS.items() if m == model):
-            result = _cli("train", f"examples/dllm/{algo}_tiny.yaml", root / algo,
-                          f"trainer.init_from={sft / 'final'}", *([] if full else CI_RL))
-            out[algo] = {**result, "rows": _rows(root / algo)}
-        return out
+        return model, out
+
+    def rl(algo: str, start) -> dict:
+        result = _cli("train", f"examples/dllm/{algo}_tiny.yaml", root / algo,
+                      f"trainer.init_from={start / 'final'}", *([] if full else CI_RL))
+        return {**result, "rows": _rows(root / algo)}
 
     with ThreadPoolExecutor(2) as pool:
-        runs: dict[str, dict] = {}
-        for part in pool.map(chain, ["llada", "sdar"]):
-            runs.update(part)
-    return runs
+        pending = {}
+        for done in as_completed([pool.submit(sft, m) for m in ("llada", "sdar")]):
+            model, start = done.result()
+            pending.update({a: pool.submit(rl, a, start)
+                            for a, m in ALGORITHMS.items() if m == model})
+        return {a: pending[a].result() for a in ALGORITHMS}
 
 
 @pytest.fixture(scope="module")
