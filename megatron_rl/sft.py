@@ -13,7 +13,8 @@ reference answer) followed by EOS. The objective follows the model family:
 Either way the loss is normalized by the response tokens of the whole step (all micro-batches,
 all DP ranks), micro-batches come from the one planner (actor/microbatch.py), and the run ends
 with a held-out pass@1 (greedy, through the engine registry: the built-in engine of the model
-kind) and an HF checkpoint in `<output_dir>/final` that `trainer.init_from` of an RL run reads.
+kind), the held-out loss per response token before and after training (see `run`) and an HF
+checkpoint in `<output_dir>/final` that `trainer.init_from` of an RL run reads.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from megatron_rl.actor.loading import build_module, resolve_model, save_hf
 from megatron_rl.actor.microbatch import plan_micro_batches
 from megatron_rl.actor.policy import build_policy
 from megatron_rl.checks import check_outputs_available
+from megatron_rl.collectives import all_reduce_floats
 from megatron_rl.config import RewardConfig, RLConfig, RolloutConfig, SFTConfig, SFTDiffusionConfig
 from megatron_rl.data.prompts import PromptDataset, read_rows
 from megatron_rl.eval.accuracy import evaluate
@@ -65,6 +67,24 @@ def sft_examples(cfg: SFTConfig, tok, prompts: PromptDataset) -> list[Example]:
             for p in prompts.prompts]
 
 
+def val_examples(tok, val: PromptDataset, n: int) -> list[Example] | None:
+    """The first `n` held-out rows (those the pass@1 scores) as (prompt ids, demonstration ids
+    + EOS): the row's `extra_info.response`, else its reference answer; None when a row has
+    neither (no held-out loss then)."""
+    out = []
+    for p in val.prompts[:n]:
+        demo = p.extra_info.get("response", p.ground_truth)
+        if demo is None:
+            return None
+        out.append((p.prompt_ids, list(tok.encode(str(demo))) + [tok.eos_token_id]))
+    return out
+
+
+def _dp_mean(total: float, count: float, ps) -> float:
+    total, count = all_reduce_floats([total, count], ps.pgs.dp if ps.dp_size > 1 else None)
+    return total / count
+
+
 class CausalObjective:
     """Autoregressive SFT: NLL of the response tokens."""
 
@@ -85,6 +105,15 @@ class CausalObjective:
             return nll, {"loss": nll.detach()}
 
         return policy.train_mini_batch(seqs, [len(p) for p, _ in mine], loss_fn)
+
+    def eval_loss(self, policy, examples: list[Example], ps) -> float:
+        """Mean NLL per response token of `examples` (teacher-forced; the training loss)."""
+        mine = examples[ps.dp_rank :: ps.dp_size]
+        nll = 0.0
+        if mine:
+            lps, _ = policy.logprobs([torch.tensor(p + r) for p, r in mine], [len(p) for p, _ in mine])
+            nll = -float(sum(lp.double().sum() for lp in lps))
+        return _dp_mean(nll, float(sum(len(r) for _, r in mine)), ps)
 
 
 class DiffusionObjective:
@@ -107,13 +136,15 @@ class DiffusionObjective:
 
     def step(self, policy, mine: list[Example], normalizer: float) -> dict:
         from megatron_rl.actor.diffusion_policy import diffusion_train_step
-        from megatron_rl.algo.dllm.sft_loss import (
-            block_diffusion_batch,
-            masked_diffusion_batch,
-            sft_corruption,
-        )
+        from megatron_rl.algo.dllm.sft_loss import sft_corruption
 
         masked, weights = sft_corruption([len(r) for _, r in mine], self.noise, self.opts.eps)
+        return diffusion_train_step(policy, self._batches(mine, masked, weights), normalizer,
+                                    self.opts.mask_impl)
+
+    def _batches(self, mine: list[Example], masked, weights) -> list:
+        from megatron_rl.algo.dllm.sft_loss import block_diffusion_batch, masked_diffusion_batch
+
         per = 2 if self.block else 1  # block diffusion trains on [noisy | clean]
         batches = []
         for idx in plan_micro_batches([per * (len(p) + len(r)) for p, r in mine], self.max_tokens):
@@ -125,7 +156,22 @@ class DiffusionObjective:
             else:
                 batches.append(masked_diffusion_batch(*args, mask_id=self.mask_id,
                                                       shift_logits=self.spec.shift_logits))
-        return diffusion_train_step(policy, batches, normalizer, self.opts.mask_impl)
+        return batches
+
+    def eval_loss(self, policy, examples: list[Example], ps) -> float:
+        """Mean NLL per response token of `examples` with the whole response masked (mask ratio
+        1, where the 1/t-weighted loss is the plain NLL; the sampler's first denoising step),
+        forward only: no noise drawn, so the figure depends on the model and the rows only."""
+        from megatron_rl.actor.diffusion_policy import diffusion_logprobs
+
+        mine = examples[ps.dp_rank :: ps.dp_size]
+        nll = 0.0
+        if mine:
+            masked = [torch.ones(len(r), dtype=torch.bool) for _, r in mine]
+            batches = self._batches(mine, masked, [torch.ones(len(r)) for _, r in mine])
+            for lp in diffusion_logprobs(policy, batches, self.opts.mask_impl):
+                nll -= float(lp.double().sum())
+        return _dp_mean(nll, float(sum(len(r) for _, r in mine)), ps)
 
 
 OBJECTIVES = {"autoregressive": CausalObjective, "diffusion": DiffusionObjective}
@@ -133,8 +179,21 @@ OBJECTIVES = {"autoregressive": CausalObjective, "diffusion": DiffusionObjective
 
 
 def run(cfg: SFTConfig) -> dict:
-    """Supervised fine-tuning with the objective of the model family; held-out pass@1 at the end;
-    prints {"loss", "loss_first", "loss_last", "exact_match", "steps", "seconds"}."""
+    """Supervised fine-tuning with the objective of the model family; held-out pass@1 at the end.
+
+    Returns (and `megatron-rl sft` prints as its last line) the final row:
+    - loss: the last step's training loss; loss_first / loss_last: means over the first / last
+      quarter of the steps;
+    - exact_match: held-out pass@1 (greedy, the family's sampler) on the first
+      `trainer.num_eval_examples` rows of the val split;
+    - val_loss_init / val_loss: the held-out loss on those same rows (their demonstration +
+      EOS, padded as in training), per response token, forward only, before the first step /
+      after the last: the teacher-forced NLL for autoregressive models; for diffusion LMs the
+      NLL with the whole response masked (mask ratio 1: the diffusion loss without its noise
+      draw). Deterministic and continuous, a lower-variance measure of held-out learning than
+      exact match on a few rows (about ln(vocab size) per token untrained); None when a
+      held-out row has neither `extra_info.response` nor a reference answer;
+    - steps, seconds (the training loop and the final evaluation)."""
     tr = cfg.trainer
     src = resolve_model(cfg.model, tr.init_from)
     kind = model_kind(src.hf_config)
@@ -152,6 +211,10 @@ def run(cfg: SFTConfig) -> dict:
     objective = OBJECTIVES[kind](cfg, src, ps)
     train = PromptDataset.from_config(cfg.data, tokenizer=tok, seed=tr.seed)
     examples = objective.prepare(sft_examples(cfg, tok, train))
+    val = PromptDataset.from_config(cfg.data, tokenizer=tok, seed=tr.seed, split="val",
+                                    dp_rank=ps.dp_rank, dp_size=ps.dp_size)
+    held_out = val_examples(tok, val, tr.num_eval_examples)
+    held_out = held_out and objective.prepare(held_out)
     bs = cfg.sft.batch_size
     if bs % ps.dp_size:
         raise ValueError(f"config field `sft.batch_size`: {bs} must be a multiple of the DP size {ps.dp_size}")
@@ -167,6 +230,7 @@ def run(cfg: SFTConfig) -> dict:
                         progress_bar=tr.progress_bar and ps.rank == 0, wandb=tr.wandb,
                         wandb_project=tr.wandb_project, wandb_mode=tr.wandb_mode,
                         config=dataclasses.asdict(cfg) if tr.wandb else None)
+    val_loss_init = objective.eval_loss(policy, held_out, ps) if held_out else None
     order_gen = torch.Generator().manual_seed(tr.seed)
     order: list[int] = []
     losses: list[float] = []
@@ -181,20 +245,20 @@ def run(cfg: SFTConfig) -> dict:
         log.log(step, {"sft/loss": m["loss"], "sft/grad_norm": m["grad_norm"], "sft/lr": m["lr"]})
     engine = build_engine(engine_name, EngineContext(cfg=rl_view, module=policy.module, ps=ps,
                                                      tokenizer=tok, src=src, seed=tr.seed))
-    val = PromptDataset.from_config(cfg.data, tokenizer=tok, seed=tr.seed, split="val",
-                                    dp_rank=ps.dp_rank, dp_size=ps.dp_size)
     reward_cfg = RewardConfig()  # eval scores with the task's own verifier, default scale
     sampling = SamplingParams(temperature=0.0, max_new_tokens=objective.eval_tokens(examples),
                               stop_token_ids=[tok.eos_token_id])
     ev = evaluate(engine, val, build_reward(reward_cfg, "" if cfg.data.train_files else cfg.data.task),
                   tok, reward_cfg, sampling, tr.num_eval_examples, ps)
     log.log(total + 1, {f"eval/{k}": v for k, v in ev.items()}, advance=False)
+    val_loss = objective.eval_loss(policy, held_out, ps) if held_out else None
     log.close()
     merge_lora(policy.module)
     save_hf(policy.module, src, os.path.join(tr.output_dir, "final"), ps)
     k = max(1, len(losses) // 4)  # loss_first / loss_last: means over the first / last quarter
     result = {"loss": losses[-1], "loss_first": sum(losses[:k]) / k,
-              "loss_last": sum(losses[-k:]) / k, "exact_match": ev["pass_at_1"], "steps": total,
+              "loss_last": sum(losses[-k:]) / k, "exact_match": ev["pass_at_1"],
+              "val_loss_init": val_loss_init, "val_loss": val_loss, "steps": total,
               "seconds": round(time.perf_counter() - t0, 1)}
     destroy_parallel()
     return result
