@@ -81,7 +81,8 @@ def val_examples(tok, val: PromptDataset, n: int) -> list[Example] | None:
 
 
 def _dp_mean(total: float, count: float, ps) -> float:
-    total, count = all_reduce_floats([total, count], ps.pgs.dp if ps.dp_size > 1 else None)
+    """sum(total) / sum(count) over the DP group (the identity for a group of one)."""
+    total, count = all_reduce_floats([total, count], ps.pgs.dp)
     return total / count
 
 

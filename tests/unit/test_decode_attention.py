@@ -64,10 +64,6 @@ CASES = {
     "deferred": [{"max_new": 6}, {"max_new": 13}],
     "decoder": [{"decoder": True}, {"decoder": False}],
 }
-"""Every interpreter case of this module, run in two worker processes side by side (two start-ups,
-not six; `_cost` balances them)."""
-
-
 def _cost(case: dict) -> float:
     """Rough seconds of a case under the interpreter (2-core development machine, 2026-12-07):
     the engine cases decode a tiny model step by step (shared 9 new tokens ~55 s, deferred 6 / 13
@@ -81,6 +77,8 @@ def _cost(case: dict) -> float:
 
 @pytest.fixture(scope="module")
 def interpreted() -> dict[str, list[dict]]:
+    """Every interpreter case of this module (name -> results in CASES' order), run in two worker
+    processes side by side (two start-ups, not six), balanced by `_cost`."""
     flat = [(name, c) for name, cases in CASES.items() for c in cases]
     halves: list[list[int]] = [[], []]
     for i in sorted(range(len(flat)), key=lambda i: -_cost(flat[i][1])):  # longest first
