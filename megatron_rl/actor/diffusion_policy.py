@@ -40,6 +40,7 @@ from megatron_rl.algo.dllm.sft_loss import (
     masked_diffusion_batch,
     weighted_nll,
 )
+from megatron_rl.collectives import all_reduce_floats
 
 
 def packed_logprobs(gpt, model, b: PackedDiffusionBatch, device, mask_impl: str = "kernel",
@@ -93,7 +94,8 @@ def diffusion_train_step(
     policy: Policy, batches: list[PackedDiffusionBatch], normalizer: float,
     mask_impl: str = "kernel",
 ) -> dict:
-    """One optimizer step of the weighted diffusion NLL. Returns loss, grad_norm, lr."""
+    """One optimizer step of the weighted diffusion NLL. Returns loss (the step's, summed over
+    DP ranks), grad_norm, lr."""
     assert policy.optimizer is not None, "frozen policy (no optimizer) cannot train"
     policy.model.train()
     policy.model.zero_grad_buffer()
@@ -108,7 +110,9 @@ def diffusion_train_step(
     ok, grad_norm, _ = policy.optimizer.step()
     if policy.scheduler is not None and ok:
         policy.scheduler.step(increment=1)
-    loss = sum(float(o["loss"]) for o in outputs or [])
+    # this rank's micro-batches hold its share of the step's loss (normalizer counts the whole
+    # step's tokens): the step's loss is the sum over the DP group
+    loss = all_reduce_floats([sum(float(o["loss"]) for o in outputs or [])], policy.ps.pgs.dp)[0]
     return {"loss": loss, "grad_norm": float(grad_norm) if grad_norm is not None else math.nan,
             "lr": float(policy.optimizer.param_groups[0]["lr"]), "update_skipped": float(not ok)}
 
