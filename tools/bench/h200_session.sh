@@ -36,6 +36,9 @@ for stage in "$@"; do
     peer_padded) run "$stage" python3 tools/bench/rl_step.py --peer --layout padded ;;
     peer_triton) run "$stage" python3 tools/bench/rl_step.py --peer --layout padded --kernels triton ;;
     peer_mb40k) run "$stage" python3 tools/bench/rl_step.py --peer --layout padded --micro-batch-tokens 40960 ;;
+    peer_mb40k_tiles) run "$stage" python3 tools/bench/rl_step.py --peer --layout padded --micro-batch-tokens 40960 \
+           --decode-tiles 32,2,3,1 ;;
+    peer_mb32k) run "$stage" python3 tools/bench/rl_step.py --peer --layout padded --micro-batch-tokens 32768 ;;
     peer_compiled) run "$stage" python3 tools/bench/rl_step.py --peer --layout padded --kernels compiled ;;
     peer_best_tiles)  # the step with attn_tiles' best (shared-prompt) launch, earlier in this call
       t=$(python3 -c "import json,sys; r=[json.loads(l) for l in open(sys.argv[1]) if '\"best\": true' in l and '\"shared\": true' in l][-1]; print(','.join(map(str, [*r['tiles'], r['splits']])))" "$OUT/results.jsonl") \
