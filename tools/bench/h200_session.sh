@@ -38,7 +38,7 @@ for stage in "$@"; do
     peer_mb40k) run "$stage" python3 tools/bench/rl_step.py --peer --layout padded --micro-batch-tokens 40960 ;;
     peer_mb40k_tiles) run "$stage" python3 tools/bench/rl_step.py --peer --layout padded --micro-batch-tokens 40960 \
            --decode-tiles 32,2,3,1 ;;
-    peer_mb32k) run "$stage" python3 tools/bench/rl_step.py --peer --layout padded --micro-batch-tokens 32768 ;;
+    peer_mb16k) run "$stage" python3 tools/bench/rl_step.py --peer --layout padded --micro-batch-tokens 16384 ;;
     peer_compiled) run "$stage" python3 tools/bench/rl_step.py --peer --layout padded --kernels compiled ;;
     peer_best_tiles)  # the step with attn_tiles' best (shared-prompt) launch, earlier in this call
       t=$(python3 -c "import json,sys; r=[json.loads(l) for l in open(sys.argv[1]) if '\"best\": true' in l and '\"shared\": true' in l][-1]; print(','.join(map(str, [*r['tiles'], r['splits']])))" "$OUT/results.jsonl") \

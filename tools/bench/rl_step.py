@@ -65,8 +65,11 @@ def peer_config(out: str, steps: int, layout: str, keep_graphs: bool) -> RLConfi
         reward=RewardConfig(name="rl_step:peer_reward"),
         optimizer=OptimizerConfig(lr=1e-6),
         trainer=TrainerConfig(total_steps=steps, output_dir=out, tensorboard=False,
-                              progress_bar=False, num_eval_examples=8, micro_batch_tokens=16384,
-                              micro_batch_layout=layout,
+                              progress_bar=False, num_eval_examples=8,
+                              # two micro-batches of the 64 x 608-token rows: 16,384 (three)
+                              # trained 0.08 s slower on one H100 (2026-12-07, docs/benchmarks.md);
+                              # 40,960 (one) does not fit 80 GB
+                              micro_batch_tokens=32768, micro_batch_layout=layout,
                               rollout_store=False),  # like TRL's run: no rollouts written
     )
 
@@ -91,7 +94,7 @@ def main() -> None:
                          "instead of launch_config's: the A/B of a tile sweep's best")
     ap.add_argument("--micro-batch-tokens", type=int, default=None, metavar="N",
                     help="trainer.micro_batch_tokens (default: the configuration's; the peer's "
-                         "16,384 takes its 64 x 608-token rows in three micro-batches)")
+                         "32,768 takes its 64 x 608-token rows in two micro-batches)")
     ap.add_argument("--profile-step", type=int, default=0, metavar="N",
                     help="run step N under torch.profiler (trainer.profile_steps=[N]) and print "
                          "its summary (phases, device-busy time, top ops) as a JSON line")
