@@ -2,10 +2,10 @@
 
 Megatron-Core assumes CUDA in about ten places. On a machine without a GPU `apply_patches()`
 redirects each of them to the CPU, without editing Megatron's files; none of those is applied
-when CUDA is available. Five shims apply on GPU too: 10 covers a missing Transformer-Engine,
+when CUDA is available. Six shims apply on GPU too: 10 covers a missing Transformer-Engine,
 12 removes a copy that does nothing, 13 applies packed (THD) RoPE in one pass (numbers
-unchanged), 15 compiles RoPE on CUDA tensors and 16 routes SwiGLU to a Triton kernel when
-models/kernel_backend.py asks for it; 14 applies on GPU only (the grad norm without a host sync per tensor). Each patch names the Megatron function
+unchanged), 15 compiles RoPE on CUDA tensors, 16 routes SwiGLU to a Triton kernel when
+models/kernel_backend.py asks for it and 17 skips a compiled call that has nothing to do; 14 applies on GPU only (the grad norm without a host sync per tensor). Each patch names the Megatron function
 or module it covers; all were
 written for megatron-core 0.16.1 (`PINNED_MEGATRON_VERSION`), and `check_patch_targets()` (run by
 the tests) fails loudly when a version bump moves or removes a target. Why over 450 lines: every
@@ -35,6 +35,10 @@ The list (docs/design.md, "Megatron-Core on CPU"):
  16. transformer.mlp.bias_swiglu_impl with models/kernel_backend.py's "triton" backend (CUDA
      tensors, no bias, no FP8 input store, no activation offloading) -> models/swiglu_triton.py;
      otherwise Megatron's function
+ 17. moe.router.TopKRouter._apply_expert_bias -> returns at once when the router has no expert
+     bias (on GPU too): Megatron calls this torch.compile'd function in every router forward,
+     and without expert bias it does nothing; on CPU its compile imported Inductor and ran a
+     Dynamo trace in every MoE process, on GPU each call still costs a guard check
 """
 
 from __future__ import annotations
@@ -526,9 +530,31 @@ def _patch_triton_swiglu() -> None:
     mlp.bias_swiglu_impl = bias_swiglu_impl
 
 
+def skip_without_expert_bias(original):
+    """17. `TopKRouter._apply_expert_bias` -> None at once for a router without expert bias (the
+    method only adds the routed-token counts to `local_tokens_per_expert` when
+    `enable_expert_bias` is on); `original` (Megatron's compiled method) otherwise."""
+
+    @functools.wraps(original)
+    def _apply_expert_bias(self, routing_map, padding_mask=None):
+        if not self.enable_expert_bias:
+            return None
+        return original(self, routing_map, padding_mask=padding_mask)
+
+    _apply_expert_bias._megatron_rl_skip = True
+    return _apply_expert_bias
+
+
+def _patch_expert_bias_skip() -> None:
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    if not getattr(TopKRouter._apply_expert_bias, "_megatron_rl_skip", False):
+        TopKRouter._apply_expert_bias = skip_without_expert_bias(TopKRouter._apply_expert_bias)
+
+
 def apply_patches() -> bool:
     """Apply every shim once: the TE-absence fix, the identity-sort skip, the one-pass THD
-    RoPE, the compiled RoPE (CUDA tensors) and the SwiGLU dispatch always, the foreach multi-tensor ops on CUDA, the CPU shims when there is no CUDA.
+    RoPE, the compiled RoPE (CUDA tensors), the SwiGLU dispatch and the expert-bias skip always, the foreach multi-tensor ops on CUDA, the CPU shims when there is no CUDA.
 
     Returns True if the CPU shims were applied.
     """
@@ -540,6 +566,7 @@ def apply_patches() -> bool:
     _patch_thd_rope()
     _patch_compiled_rope()
     _patch_triton_swiglu()
+    _patch_expert_bias_skip()
     if torch.cuda.is_available():
         _patch_multi_tensor_ops()
     else:
@@ -566,6 +593,7 @@ def check_patch_targets() -> list[str]:
                                                               "_apply_rotary_pos_emb_bshd",
                                                               "_rotate_half"],
         "megatron.core.transformer.mlp": ["bias_swiglu_impl"],
+        "megatron.core.transformer.moe.router": ["TopKRouter"],
         "megatron.core.transformer.moe.token_dispatcher": [
             "maybe_move_tensor_to_cpu",
             "sort_chunks_by_idxs",
@@ -574,6 +602,10 @@ def check_patch_targets() -> list[str]:
     for module, attrs in targets.items():
         mod = importlib.import_module(module)
         missing += [f"{module}.{a}" for a in attrs if not hasattr(mod, a)]
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    if not hasattr(TopKRouter, "_apply_expert_bias"):  # shim 17's method
+        missing.append("megatron.core.transformer.moe.router.TopKRouter._apply_expert_bias")
     for module in _CUDA_LITERAL_MODULES:
         try:
             importlib.import_module(module)

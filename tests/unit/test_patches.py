@@ -176,3 +176,35 @@ def test_compiled_rope_on_cuda_matches_megatron():
         for a, b in zip(got, want):
             scale = float(b.float().abs().max())
             assert float((a.float() - b.float()).abs().max()) <= tol * scale, (dtype, rot)
+
+
+def test_expert_bias_skip_calls_megatron_only_with_expert_bias():
+    """Shim 17: a router without expert bias returns before Megatron's compiled method (which
+    would do nothing); with expert bias the method runs with the same arguments."""
+    import torch
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    from megatron_rl.patches import apply_patches, skip_without_expert_bias
+
+    apply_patches()
+    assert getattr(TopKRouter._apply_expert_bias, "_megatron_rl_skip", False)
+    calls = []
+
+    def megatrons(self, routing_map, padding_mask=None):
+        calls.append((self, routing_map, padding_mask))
+        self.local_tokens_per_expert += routing_map.sum(dim=0)
+
+    skip = skip_without_expert_bias(megatrons)
+    routing_map = torch.tensor([[True, False], [True, True]])
+
+    class Router:
+        def __init__(self, enable_expert_bias: bool):
+            self.enable_expert_bias = enable_expert_bias
+            self.local_tokens_per_expert = torch.zeros(2)
+
+    off, on = Router(False), Router(True)
+    assert skip(off, routing_map) is None and calls == []
+    assert torch.equal(off.local_tokens_per_expert, torch.zeros(2))
+    skip(on, routing_map, padding_mask=None)
+    assert calls == [(on, routing_map, None)]
+    assert torch.equal(on.local_tokens_per_expert, torch.tensor([2.0, 1.0]))
