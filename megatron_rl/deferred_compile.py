@@ -37,13 +37,13 @@ def deferred_compile(fn=None, **options):
     outer trace inlines it, as it would inline a compiled function."""
     if fn is None:
         return lambda f: deferred_compile(f, **options)
+    import torch  # (already imported by whoever decorates: megatron.core.jit imports it)
+
     compiled = None
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
         nonlocal compiled
-        import torch
-
         if torch.compiler.is_compiling():
             return fn(*args, **kwargs)
         if compiled is None:
