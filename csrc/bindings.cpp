@@ -4,7 +4,10 @@
 // kernels registered next to their code in the .cu files, fake kernels and autograd registered
 // from Python (megatron_rl/ops/_registry.py). Host helpers (planner, streaming buffer) are plain
 // pybind11 on the same module.
-#include <torch/extension.h>
+// pybind11 with torch's Tensor casters, not <torch/extension.h>: that one also pulls the whole
+// C++ frontend (torch/all.h: nn, optim, data), which this file never uses and which took half
+// of its compile time.
+#include <torch/csrc/utils/pybind.h>
 #include <torch/library.h>
 
 #include "block_mask/block_mask.h"
