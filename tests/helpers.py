@@ -2,14 +2,16 @@
 the RL loop through the CLI.
 
     path = make_tiny_hf("qwen3_moe", tmp_path / "hf")           # config.json + model.safetensors
-    proc = run_torchrun(["tests/distributed/_worker.py", "arg"])  # 2 gloo ranks, own free port
+    proc = run_ranks(["tests/distributed/_worker.py", "arg"])  # 2 gloo ranks, own free port
+    proc = run_torchrun(["-m", "megatron_rl.cli", "train", ...])  # the same under torchrun
     out = train_cli(tiny_rl(max_new_tokens=4) + [DENSE_REWARD, f"trainer.output_dir={d}"], cwd)
     rows = metrics_rows(d)                                       # metrics.jsonl, one dict a line
     a, b = at_once(lambda: train_cli(x, cwd), lambda: train_cli(y, cwd))  # side by side
 
 `run_torchrun` runs `python -m torch.distributed.run --nproc_per_node N --standalone` (its own free port)
 with OMP_NUM_THREADS=1 and HF_HUB_OFFLINE=1 from the repository root, and raises with the
-captured output if the job fails.
+captured output if the job fails; `run_ranks` starts the same ranks without torchrun's agent
+process (4 s of CPU less per launch), for the tests whose subject is not the launch.
 """
 
 from __future__ import annotations
@@ -58,6 +60,39 @@ def at_once(*calls):
     """
     with ThreadPoolExecutor(2) as pool:
         return [f.result() for f in [pool.submit(c) for c in calls]]
+
+
+def wait_for_setup(name: str, timeout_s: float = 1800.0) -> None:
+    """Wait for a setup step that tools/test.sh runs beside pytest, and fail naming its log if
+    that step failed.
+
+    tools/test.sh starts the steps only some tests need (`vllm`: tools/setup_vllm.sh for
+    tests/e2e/test_vllm_engine.py; `chromium`: the browser of tests/e2e/test_report.py) in the
+    background and exports MEGATRON_RL_SETUP_STATUS, a folder where each leaves NAME.log and,
+    once finished, NAME.rc (its exit status). Without that variable (pytest run by hand) there
+    is nothing to wait for.
+    """
+    import time
+
+    import pytest
+
+    folder = os.environ.get("MEGATRON_RL_SETUP_STATUS")
+    if not folder:
+        return
+    rc_file, log = os.path.join(folder, f"{name}.rc"), os.path.join(folder, f"{name}.log")
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(rc_file):
+        if time.monotonic() > deadline:
+            pytest.fail(f"tools/test.sh's background setup step {name!r} did not finish in "
+                        f"{timeout_s:.0f} s; its log so far: {log}")
+        time.sleep(2.0)
+    with open(rc_file) as f:
+        rc = f.read().strip()
+    if rc != "0":
+        with open(log, errors="replace") as f:
+            tail = f.read()[-3000:]
+        pytest.fail(f"tools/test.sh's background setup step {name!r} failed (exit {rc}); the end "
+                    f"of its log {log}:\n{tail}")
 
 
 def metrics_rows(run_dir, drop_prefixes: tuple[str, ...] = ()) -> list[dict]:
@@ -168,3 +203,88 @@ def run_torchrun(
             f"{proc.stdout[-6000:]}\n--- stderr\n{proc.stderr[-6000:]}"
         )
     return proc
+
+
+def run_ranks(
+    args: list[str], nproc: int = 2, timeout: float = 300, env: dict | None = None
+) -> subprocess.CompletedProcess:
+    """Run `python <args>` (a script path or `-m module ...`) as the `nproc` ranks of one job on
+    this host: what `torchrun --standalone --nproc_per_node nproc <args>` runs, without its agent.
+
+    The agent (torch.distributed.run) imports torch before it starts any rank: ~4 s of CPU and
+    5-7 s of wall time per launch on the 2-core CI machine, and the worker tests launch ~80
+    jobs. So the ranks are started here with the variables torch.distributed's env:// init reads
+    (MASTER_ADDR / MASTER_PORT on a free port, RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE;
+    rank 0 hosts the store). Tests of the launch itself use `run_torchrun` (the README's form).
+
+    The environment is run_torchrun's (OMP_NUM_THREADS=1, HF_HUB_OFFLINE=1, the repository on
+    PYTHONPATH, cwd the repository). As under torchrun, a rank that fails stops the others.
+    Returns stdout and stderr of the ranks concatenated in rank order; raises AssertionError with
+    them if a rank exits non-zero, subprocess.TimeoutExpired after `timeout` seconds.
+    """
+    try:
+        return _run_ranks(args, nproc, timeout, env)
+    except AssertionError as e:  # the free port was taken before rank 0 bound it: once more
+        if "EADDRINUSE" not in str(e) and "ddress already in use" not in str(e):
+            raise
+        return _run_ranks(args, nproc, timeout, env)
+
+
+def _run_ranks(
+    args: list[str], nproc: int, timeout: float, env: dict | None
+) -> subprocess.CompletedProcess:
+    import tempfile
+    import time
+
+    base = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    base["PYTHONPATH"] = REPO + os.pathsep + base.get("PYTHONPATH", "")
+    base.update(env or {})
+    base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(nproc),
+                LOCAL_WORLD_SIZE=str(nproc))
+    cmd = [sys.executable, *args]
+    with tempfile.TemporaryDirectory() as logs:
+        files, procs = [], []
+        for rank in range(nproc):
+            out = open(os.path.join(logs, f"{rank}.out"), "w+")
+            err = open(os.path.join(logs, f"{rank}.err"), "w+")
+            files.append((out, err))
+            procs.append(subprocess.Popen(
+                cmd, cwd=REPO, stdout=out, stderr=err, text=True,
+                env=dict(base, RANK=str(rank), LOCAL_RANK=str(rank))))
+        deadline = time.monotonic() + timeout
+        failed_at, timed_out = None, False
+        try:
+            while any(p.poll() is None for p in procs):
+                now = time.monotonic()
+                if failed_at is None and any(p.returncode not in (None, 0) for p in procs):
+                    failed_at = now  # give the others a moment to print their own error
+                if failed_at is not None and now > failed_at + 5.0:
+                    break
+                if now > deadline:
+                    timed_out = True
+                    break
+                time.sleep(0.05)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+
+        def read(f) -> str:
+            f.seek(0)
+            return f.read()
+
+        stdout = "".join(read(o) for o, _ in files)
+        stderr = "".join(f"[rank {r}]\n{read(e)}" if nproc > 1 else read(e)
+                         for r, (_, e) in enumerate(files))
+        for o, e in files:
+            o.close()
+            e.close()
+    if timed_out:
+        raise subprocess.TimeoutExpired(cmd, timeout, output=stdout, stderr=stderr)
+    codes = [p.returncode for p in procs]
+    if any(codes):
+        raise AssertionError(
+            f"ranks failed (exit codes {codes}): {' '.join(cmd)}\n--- stdout\n{stdout[-6000:]}"
+            f"\n--- stderr\n{stderr[-6000:]}")
+    return subprocess.CompletedProcess(cmd, 0, stdout, stderr)

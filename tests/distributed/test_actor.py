@@ -9,7 +9,7 @@ agree, so the gradients (and Adam's update) are the same too.
 import json
 
 import pytest
-from helpers import make_tiny_hf, run_torchrun
+from helpers import make_tiny_hf, run_ranks
 
 WORKER = "tests/distributed/actor_worker.py"
 
@@ -19,7 +19,7 @@ def reference(tmp_path_factory):
     root = tmp_path_factory.mktemp("actor")
     hf = make_tiny_hf("qwen3", root / "hf")
     out = root / "single.json"
-    run_torchrun([WORKER, hf, "dp", str(out)], nproc=1)
+    run_ranks([WORKER, hf, "dp", str(out)], nproc=1)
     return hf, json.loads(out.read_text())
 
 
@@ -27,7 +27,7 @@ def reference(tmp_path_factory):
 def test_two_rank_step_matches_single_rank(reference, tmp_path, layout):
     hf, ref = reference
     out = tmp_path / f"{layout}.json"
-    run_torchrun([WORKER, hf, layout, str(out)], nproc=2)
+    run_ranks([WORKER, hf, layout, str(out)], nproc=2)
     got = json.loads(out.read_text())
     assert abs(got["loss"] - ref["loss"]) <= 1e-5, (got["loss"], ref["loss"])
     for a, b in zip(got["logprobs_after"], ref["logprobs_after"]):

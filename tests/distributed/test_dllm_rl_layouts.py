@@ -13,7 +13,7 @@ import json
 
 import pytest
 import torch
-from helpers import run_torchrun
+from helpers import run_ranks
 from safetensors.torch import load_file
 
 WORKER = "tests/distributed/dllm_rl_worker.py"
@@ -23,7 +23,7 @@ CASES = {"tp": ["d1:llada", "bgpo:sdar", "bgpo:sdar_moe"], "ep": ["bgpo:sdar_moe
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
     root = tmp_path_factory.mktemp("dllm_rl")
-    run_torchrun([WORKER, "single", str(root), *CASES["tp"]], nproc=1)
+    run_ranks([WORKER, "single", str(root), *CASES["tp"]], nproc=1)
     return root
 
 
@@ -38,7 +38,7 @@ def _weights(folder) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("layout", ["tp", "ep"])
 def test_two_rank_update_equals_single_rank(workdir, layout):
-    run_torchrun([WORKER, layout, str(workdir), *CASES[layout]], nproc=2)
+    run_ranks([WORKER, layout, str(workdir), *CASES[layout]], nproc=2)
     for case in CASES[layout]:
         root = workdir / case.replace(":", "_")
         ref = json.loads((root / "single.json").read_text())

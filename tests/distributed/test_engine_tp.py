@@ -5,7 +5,7 @@ the actor's recomputation (Qwen2: attention biases are split too)."""
 import json
 
 import pytest
-from helpers import make_tiny_hf, run_torchrun
+from helpers import make_tiny_hf, run_ranks
 
 WORKER = "tests/distributed/engine_worker.py"
 
@@ -17,7 +17,7 @@ def hf_dir(tmp_path_factory):
 
 def _run(hf_dir, tmp_path, decoder, nproc):
     out = tmp_path / f"{decoder}{nproc}.json"
-    run_torchrun([WORKER, hf_dir, decoder, str(out)], nproc=nproc)
+    run_ranks([WORKER, hf_dir, decoder, str(out)], nproc=nproc)
     return json.loads(out.read_text())
 
 

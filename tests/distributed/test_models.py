@@ -1,7 +1,7 @@
 """TP=2, PP=2 and EP=2 (two gloo ranks) give the single-rank logits; TP/EP exports round-trip.
 
 Chain: tiny random HF models -> single-rank Megatron logits (reference, in this process) ->
-one torchrun launch per layout (all families batched into it) -> logits within 1e-5 of the
+one 2-rank launch per layout (all families batched into it) -> logits within 1e-5 of the
 reference on real tokens; the HF safetensors exported from the TP=2 and EP=2 shards are
 bit-identical to the source checkpoint (dtype, shape and every value).
 """
@@ -13,7 +13,7 @@ import os
 
 import pytest
 import torch
-from helpers import make_tiny_hf, padded_batch, run_torchrun
+from helpers import make_tiny_hf, padded_batch, run_ranks
 from safetensors.torch import load_file
 
 FAMILIES = ["qwen3", "qwen3_moe", "qwen2", "llama"]
@@ -53,7 +53,7 @@ def _load_dir(path):
 @pytest.mark.parametrize("mode", ["tp", "pp", "ep"])
 def test_two_rank_layout_matches_single_rank(mode, workdir):
     families = LAYOUT_FAMILIES[mode]
-    run_torchrun(["tests/distributed/models_worker.py", mode, str(workdir), *families])
+    run_ranks(["tests/distributed/models_worker.py", mode, str(workdir), *families])
     batch = torch.load(workdir / "batch.pt")
     valid = torch.arange(batch["ids"].shape[1])[None] < batch["lengths"][:, None]
     for family in families:

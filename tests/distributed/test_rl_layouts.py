@@ -19,7 +19,7 @@ engine's own recorded routing, replayed through the loop: its log-probs equal th
 import json
 
 import pytest
-from helpers import make_tiny_hf, run_torchrun
+from helpers import make_tiny_hf, run_ranks
 
 WORKER = "tests/distributed/rl_layout_worker.py"
 EXTRA = ["algorithm.rollout_correction.mode=tis", "trainer.epochs_per_step=2"]
@@ -47,8 +47,8 @@ def reference(tmp_path_factory):
     def rows(replay: bool) -> dict[int, dict]:
         if replay not in runs:
             out = root / f"single_replay{int(replay)}"
-            run_torchrun([WORKER, hf, "single", str(out), *EXTRA, *(REPLAY if replay else [])],
-                         nproc=1)
+            run_ranks([WORKER, hf, "single", str(out), *EXTRA, *(REPLAY if replay else [])],
+                      nproc=1)
             runs[replay] = _rows(out)
         return runs[replay]
 
@@ -61,7 +61,7 @@ def test_rl_step_at_two_rank_layout_matches_single_rank(reference, tmp_path, lay
     hf, rows = reference
     ref = rows(replay)
     out = tmp_path / layout
-    run_torchrun([WORKER, hf, layout, str(out), *EXTRA, *(REPLAY if replay else [])], nproc=2)
+    run_ranks([WORKER, hf, layout, str(out), *EXTRA, *(REPLAY if replay else [])], nproc=2)
     got = _rows(out)
     assert sorted(got) == sorted(ref) == [1, 2]
     for step in ref:
@@ -87,7 +87,7 @@ def test_builtin_engine_routing_replayed_through_the_loop(reference, tmp_path):
     engine's (fp32) -- gap and mismatch metrics of every step."""
     hf, _ = reference
     out = tmp_path / "local"
-    run_torchrun([WORKER, hf, "local", str(out), *REPLAY,
+    run_ranks([WORKER, hf, "local", str(out), *REPLAY,
                   "algorithm.rollout_correction.metrics=true"], nproc=1)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     got = [r for r in rows if "rollout/logprob_gap_max" in r]  # trained or not (no signal)

@@ -13,12 +13,12 @@ import os
 
 import pytest
 import torch
-from helpers import make_tiny_hf, run_torchrun
+from helpers import make_tiny_hf, run_ranks
 from safetensors.torch import load_file
 
 LAYOUT_FAMILIES = {"tp": ["qwen3", "qwen3_moe"], "pp": ["qwen3"], "ep": ["qwen3_moe"]}
 BUCKET_BYTES = 40_000  # as in weight_export_worker.py
-pytestmark = pytest.mark.slow  # three 2-rank torchrun launches (~45 s each on 2 cores)
+pytestmark = pytest.mark.slow  # three 2-rank launches (helpers.run_ranks)
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +40,7 @@ def _source(path):
 @pytest.mark.parametrize("mode", ["tp", "pp", "ep"])
 def test_bucketed_export_is_the_hf_state_dict(mode, workdir):
     families = LAYOUT_FAMILIES[mode]
-    run_torchrun(["tests/distributed/weight_export_worker.py", mode, str(workdir), *families])
+    run_ranks(["tests/distributed/weight_export_worker.py", mode, str(workdir), *families])
     for family in families:
         expected = _source(workdir / family / "hf")
         files = {(dst, r): workdir / family / f"buckets_{mode}_{dst}_rank{r}.pt"

@@ -149,7 +149,7 @@ def test_kill_9_at_random_moments_resumes_exactly(tmp_path):
 @pytest.mark.slow
 def test_two_rank_run_with_dynamic_sampling_and_darts_resumes_exactly(tmp_path):
     sys.path.insert(0, os.path.join(REPO, "tests"))
-    from helpers import at_once, run_torchrun
+    from helpers import at_once, run_ranks
 
     base = ["-m", "megatron_rl.cli", "train", *ARGS[:14], "trainer.eval_interval=0",
             "algorithm.dynamic_sampling=true", "rollout.darts.enabled=true",
@@ -157,13 +157,13 @@ def test_two_rank_run_with_dynamic_sampling_and_darts_resumes_exactly(tmp_path):
             "optimizer.use_distributed_optimizer=true"]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     at_once(  # the straight run and the first half of the resumed one, side by side
-        lambda: run_torchrun(base + ["trainer.total_steps=4", f"trainer.output_dir={straight}"],
-                             timeout=600),
-        lambda: run_torchrun(base + ["trainer.total_steps=2", f"trainer.output_dir={resumed}"],
-                             timeout=600))
+        lambda: run_ranks(base + ["trainer.total_steps=4", f"trainer.output_dir={straight}"],
+                          timeout=600),
+        lambda: run_ranks(base + ["trainer.total_steps=2", f"trainer.output_dir={resumed}"],
+                          timeout=600))
     ckpt = resumed / "checkpoints" / "step_000002"
     assert (ckpt / "rank_00000.pt").exists() and (ckpt / "rank_00001.pt").exists()
-    run_torchrun(base + ["trainer.total_steps=4", f"trainer.output_dir={resumed}"], timeout=600)
+    run_ranks(base + ["trainer.total_steps=4", f"trainer.output_dir={resumed}"], timeout=600)
     want, got = _rows(str(straight)), _rows(str(resumed))
     assert [r["step"] for r in got] == [r["step"] for r in want]
     assert got == want
@@ -199,12 +199,12 @@ def test_resharding_resume_tp2_or_dp2_to_one_rank(tmp_path, layout, allow):
     dist_checkpointing's resharding, once the layout change is allowed: the weights it loads are
     the saved ones (the one-rank HF export of the finished run equals the two-rank export)."""
     sys.path.insert(0, os.path.join(REPO, "tests"))
-    from helpers import run_torchrun
+    from helpers import run_ranks
 
     args = [*ARGS[:14], "model.tiny.vocab_size=100", "trainer.eval_interval=0",
             "trainer.total_steps=2", f"trainer.output_dir={tmp_path}"]
-    run_torchrun(["-m", "megatron_rl.cli", "train", *args, *([layout] if layout else [])],
-                 timeout=600)
+    run_ranks(["-m", "megatron_rl.cli", "train", *args, *([layout] if layout else [])],
+              timeout=600)
     two_ranks = _weights(str(tmp_path))
     cmd = [sys.executable, "-m", "megatron_rl.cli", "train", *args]
     r = subprocess.run(cmd, cwd=REPO, env=_env("reshard"), capture_output=True, text=True)

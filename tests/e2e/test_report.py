@@ -23,9 +23,14 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(REPO, "tests"))
+from helpers import wait_for_setup  # noqa: E402
 from rollout_data import write_run  # noqa: E402
 
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+def chromium() -> str | None:
+    """The browser's path (tools/test.sh installs it beside the first tests: wait for that)."""
+    wait_for_setup("chromium")
+    return shutil.which("chromium") or shutil.which("chromium-browser")
 
 
 def cli(capsys, *args) -> str:
@@ -48,7 +53,7 @@ class Browser:
     """Headless Chromium over --remote-debugging-pipe: CDP JSON messages, NUL-terminated, on
     fds 3 (commands in) and 4 (replies and events out)."""
 
-    def __init__(self, profile_dir):
+    def __init__(self, binary, profile_dir):
         cmd_r, self._cmd_w = os.pipe()
         self._out_r, out_w = os.pipe()
 
@@ -57,7 +62,7 @@ class Browser:
             os.dup2(out_w, 4)
 
         self.proc = subprocess.Popen(
-            [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+            [binary, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
              "--no-default-browser-check", "--disable-extensions", "--hide-scrollbars",
              "--remote-debugging-pipe", f"--user-data-dir={profile_dir}", "about:blank"],
             preexec_fn=fds, pass_fds=(3, 4), stdout=subprocess.DEVNULL,
@@ -171,7 +176,8 @@ def assert_not_blank(png: str, box=None, min_ink: float = 0.02) -> None:
 
 
 def test_report_page_in_headless_chromium(run_dir, tmp_path, capsys):
-    if CHROMIUM is None:
+    binary = chromium()
+    if binary is None:
         pytest.skip("chromium is not installed: apt-get update && apt-get install -y chromium")
     out = cli(capsys, "report", str(run_dir), "--steps", "5", "--groups", "4").strip()
     assert out == str(run_dir / "report.html")
@@ -184,7 +190,7 @@ def test_report_page_in_headless_chromium(run_dir, tmp_path, capsys):
     from megatron_rl.data.store_reader import RolloutReader
 
     last = RolloutReader(str(run_dir)).read_step(60)
-    browser = Browser(tmp_path / "profile")
+    browser = Browser(binary, tmp_path / "profile")
     try:
         grpo = load(browser, str(run_dir / "report.html"), str(tmp_path / "grpo.png"))
         sft_page = load(browser, str(sft / "report.html"), str(tmp_path / "sft.png"))

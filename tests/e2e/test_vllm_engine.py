@@ -7,7 +7,8 @@ push through each transport (shm buckets, disk) -> the engine's log-probs of a f
 sequence equal the new actor's within 1e-3, and were far from them before the push; samples
 carry the pushed version; sleep/wake and abort on the live server.
 
-Skipped when .venv-vllm is missing (tools/setup_vllm.sh creates it; tools/test.sh runs it first).
+Skipped when .venv-vllm is missing (tools/setup_vllm.sh creates it; tools/test.sh runs it beside
+the first tests, and these wait for it).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import time
 
 import pytest
 import torch
+from helpers import wait_for_setup
 
 from megatron_rl.rollout import vllm as vllm_engine
 
@@ -27,6 +29,7 @@ FIXED = [1, 20, 31, 42, 53, 64, 75, 11, 12, 13, 14, 15, 16, 40, 41, 42]
 
 
 def _have_vllm() -> bool:
+    wait_for_setup("vllm")  # tools/test.sh installs it beside the first tests
     return os.path.isfile(vllm_engine.default_python())
 
 

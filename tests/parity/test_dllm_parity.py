@@ -29,7 +29,7 @@ from dllm_reference import (
     reference_logits,
     two_copy_keep,
 )
-from helpers import REPO, make_tiny_hf, run_torchrun
+from helpers import REPO, make_tiny_hf, run_ranks
 from safetensors.torch import load_file, save_file
 
 FAMILIES = ["llada", "dream", "sdar", "sdar_moe", "llada2"]
@@ -314,7 +314,7 @@ def test_dllm_logit_parity_tp2(tmp_path):
     """All five families at TP=2 (two gloo ranks) against the references."""
     paths = [make_family(f, tmp_path / f) for f in FAMILIES]
     out = tmp_path / "tp2.pt"
-    run_torchrun(
+    run_ranks(
         [os.path.join(REPO, "tests/parity/_dllm_tp_worker.py"), str(out), *paths], timeout=400
     )
     got = torch.load(out)

@@ -16,7 +16,7 @@ import os
 
 import pytest
 import torch
-from helpers import REPO, run_torchrun
+from helpers import REPO, run_ranks
 
 from megatron_rl.algo.dllm.sft_loss import (
     attention_inputs,
@@ -170,8 +170,8 @@ def test_scored_rows_only_equal_the_full_logits_loss_and_grads(single_rank, layo
 def test_scored_rows_only_equal_the_full_logits_at_tp2(tmp_path):
     """The same at TP=2 (two gloo ranks): dense SDAR (vocab-parallel output layer) and SDAR-MoE
     (sequence parallel, so the hidden states are gathered before the rows are picked)."""
-    run_torchrun([os.path.join(REPO, "tests/unit/_dllm_loss_tp_worker.py"), str(tmp_path)],
-                 timeout=300)
+    run_ranks([os.path.join(REPO, "tests/unit/_dllm_loss_tp_worker.py"), str(tmp_path)],
+              timeout=300)
     result = torch.load(tmp_path / "tp2.pt")
     assert result["SDARMoeForCausalLM"]["sequence_parallel"]
     assert not result["SDARForCausalLM"]["sequence_parallel"]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 
 import torch
-from helpers import REPO, run_torchrun
+from helpers import REPO, run_ranks
 
 HF = dict(architectures=["Qwen3ForCausalLM"], hidden_size=64, intermediate_size=128,
           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -132,7 +132,7 @@ def test_lora_tp2_matches_tp1(tmp_path, single_rank):
     from megatron_rl.models.builder import build_model
     from megatron_rl.models.weights import load_hf_weights
 
-    run_torchrun([os.path.join(REPO, "tests/unit/_lora_tp_worker.py"), str(tmp_path)], timeout=300)
+    run_ranks([os.path.join(REPO, "tests/unit/_lora_tp_worker.py"), str(tmp_path)], timeout=300)
     tp2 = torch.load(tmp_path / "tp2.pt")
     model = build_model(HF, single_rank, attention_backend="sdpa", attn_mask_type=AttnMaskType.causal)
     load_hf_weights(model, str(tmp_path / "hf"), single_rank, HF)

@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 from _moe_experts_ep_worker import loss_and_expert_grads, named_grads
-from helpers import REPO, make_tiny_hf, run_torchrun
+from helpers import REPO, make_tiny_hf, run_ranks
 from safetensors.torch import load_file
 
 TOL = 1e-5
@@ -244,7 +244,7 @@ def test_expert_parallel_2_matches_one_rank(tmp_path, single_rank):
     from megatron_rl.models.weights import load_hf_weights
 
     src = make_tiny_hf("qwen3_moe", tmp_path / "hf", seed=2, num_experts=6)
-    run_torchrun([os.path.join(REPO, "tests/unit/_moe_experts_ep_worker.py"), src, str(tmp_path)])
+    run_ranks([os.path.join(REPO, "tests/unit/_moe_experts_ep_worker.py"), src, str(tmp_path)])
     got = torch.load(tmp_path / "ep2.pt")
     hf = _config(src)
     model = build_model(hf, single_rank, moe_experts="sequential")
