@@ -57,6 +57,7 @@ for stage in "$@"; do
     layouts_kernels) run "$stage" python3 tools/bench/actor_layouts.py --kernels compiled --kernels triton ;;
     layouts_kernels_profile) run "$stage" python3 tools/bench/actor_layouts.py --kernels triton --steps 2 \
            --warmup 2 --profile 30 ;;
+    gpu_ops) run "$stage" python3 -m pytest -m gpu tests/ops -q -ra -p no:cacheprovider ;;
     gpu_kernels) run "$stage" python3 -m pytest -m gpu tests/unit/test_norm.py tests/unit/test_fused_triton.py \
            -q -ra -p no:cacheprovider ;;
     layouts_profile) run "$stage" python3 tools/bench/actor_layouts.py --steps 2 --warmup 2 --profile 30 ;;
