@@ -212,7 +212,7 @@ def run_ranks(
     this host: what `torchrun --standalone --nproc_per_node nproc <args>` runs, without its agent.
 
     The agent (torch.distributed.run) imports torch before it starts any rank: ~4 s of CPU and
-    5-7 s of wall time per launch on the 2-core CI machine, and the worker tests launch ~80
+    5-7 s of wall time per launch on the 2-core CI machine, and the worker tests launch ~40
     jobs. So the ranks are started here with the variables torch.distributed's env:// init reads
     (MASTER_ADDR / MASTER_PORT on a free port, RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE;
     rank 0 hosts the store). Tests of the launch itself use `run_torchrun` (the README's form).
