@@ -602,9 +602,9 @@ def check_patch_targets() -> list[str]:
     for module, attrs in targets.items():
         mod = importlib.import_module(module)
         missing += [f"{module}.{a}" for a in attrs if not hasattr(mod, a)]
-    from megatron.core.transformer.moe.router import TopKRouter
-
-    if not hasattr(TopKRouter, "_apply_expert_bias"):  # shim 17's method
+    router = getattr(importlib.import_module("megatron.core.transformer.moe.router"), "TopKRouter",
+                     None)
+    if router is not None and not hasattr(router, "_apply_expert_bias"):  # shim 17's method
         missing.append("megatron.core.transformer.moe.router.TopKRouter._apply_expert_bias")
     for module in _CUDA_LITERAL_MODULES:
         try:

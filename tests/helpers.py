@@ -173,6 +173,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _child_env(env: dict | None) -> dict:
+    """The environment of a launched job: one torch thread, offline, the repository importable,
+    then `env` on top."""
+    child = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    child["PYTHONPATH"] = REPO + os.pathsep + child.get("PYTHONPATH", "")
+    child.update(env or {})
+    return child
+
+
 def run_torchrun(
     args: list[str], nproc: int = 2, timeout: float = 300, env: dict | None = None
 ) -> subprocess.CompletedProcess:
@@ -191,9 +200,7 @@ def run_torchrun(
         "--standalone",  # the agent binds a free port itself (no race between parallel jobs)
         *args,
     ]
-    child_env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    child_env["PYTHONPATH"] = REPO + os.pathsep + child_env.get("PYTHONPATH", "")
-    child_env.update(env or {})
+    child_env = _child_env(env)
     proc = subprocess.run(
         cmd, cwd=REPO, env=child_env, capture_output=True, text=True, timeout=timeout
     )
@@ -236,9 +243,7 @@ def _run_ranks(
     import tempfile
     import time
 
-    base = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    base["PYTHONPATH"] = REPO + os.pathsep + base.get("PYTHONPATH", "")
-    base.update(env or {})
+    base = _child_env(env)
     base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(nproc),
                 LOCAL_WORLD_SIZE=str(nproc))
     cmd = [sys.executable, *args]
