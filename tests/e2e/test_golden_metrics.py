@@ -11,15 +11,23 @@ engine's and the actor's fp32 log-probs of the same tokens (~1e-6), so their val
 summation order -- the CI machine (another CPU, other SDPA/GEMM kernels) gave 2.9e-6 where this
 one gives 2.1e-6. They are held to the rounding scale (absolute 2e-5, 4x the largest pinned
 value, 5.1e-6); a real engine/actor mismatch is orders of magnitude above it.
-The rows pin one machine's arithmetic, and the vector width of torch's CPU kernels is part of
-it: forced to AVX2 on the development machine (`ATEN_CPU_CAPABILITY=avx2`), the SFT's grad norm
-leaves the rows at step 17 (2e-6 relative), and by the GRPO runs sampled tokens differ (reward
-9% off): 64 values in all. So there is one file per torch CPU capability (GOLDEN): AVX512
-written on an Intel development machine, AVX2 (2026-12-07) on a 2-core AMD EPYC one, the kind
-CI runs on (which skipped this test while only the AVX512 rows existed). The test runs where
-the machine's capability has a file and says so where it has none.
-A change that is meant to move numbers rewrites the file of the machine's capability on purpose
-(and, where it can, the other's):
+The rows pin one machine's arithmetic, not only the vector width of torch's CPU kernels: forced
+to AVX2 on an AVX512 machine (`ATEN_CPU_CAPABILITY=avx2`) the SFT's grad norm leaves the rows at
+step 17 (2e-6 relative) and by the GRPO runs sampled tokens differ (reward 9% off); and the AVX512
+rows written on one Intel machine (1c137db, 2026-12-04) were not reproduced on another Intel
+AVX512 one (2026-12-07), neither by that commit (the first GRPO run's entropy 4e-6 off at step 1)
+nor by today's code (the SFT's grad norm off from step 17, as above). So each file under golden/
+records the machine that wrote it (`_machine`): torch's CPU capability, the CPU vendor and
+`arithmetic_fingerprint()`, a hash of the bits of a fixed fp32 forward, backward and AdamW step
+shaped like the tiny model's, in plain torch ops (none of ours, so a change of our code cannot
+move it), on one thread. The test compares against the file whose fingerprint is this machine's
+and skips, saying so, where none is (its rows would be another machine's rounding). Files:
+quickstart_short_avx512_9446fcd34d1e6472.json, an Intel AVX512 machine (2026-12-07);
+quickstart_short_avx2.json, a 2-core AMD EPYC AVX2 one, the kind CI runs on, written before
+fingerprints existed: it records capability and vendor only and is matched by those until it is
+rewritten on such a machine.
+A change that is meant to move numbers rewrites the file of the machine it runs on on purpose
+(and, where it can, the others'); on a machine without a file this writes a new one:
 
     MEGATRON_RL_WRITE_GOLDEN=1 python -m pytest tests/e2e/test_golden_metrics.py
 """
@@ -38,10 +46,6 @@ from tests.helpers import at_once
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden")
-GOLDEN = {  # torch.backends.cpu.get_cpu_capability() -> the rows written with it
-    "AVX512": os.path.join(_DIR, "quickstart_short.json"),
-    "AVX2": os.path.join(_DIR, "quickstart_short_avx2.json"),
-}
 QUIET = ["trainer.progress_bar=false", "trainer.tensorboard=false"]
 SFT = ["sft", "--config", "examples/quickstart/sft.yaml", *QUIET, "trainer.total_steps=40",
        "data.num_train_examples=4000", "data.num_val_examples=32", "trainer.num_eval_examples=32"]
@@ -84,21 +88,127 @@ def run_all(tmp) -> dict[str, list[dict]]:
     return out
 
 
-@pytest.mark.slow
-def test_short_quickstart_reproduces_golden_rows(tmp_path):
+def arithmetic_fingerprint() -> str:
+    """16 hex digits of a sha256 over the bits of a fixed fp32 computation shaped like the tiny
+    model's step (vocab 96, width 128, 4 query / 2 KV heads of 32, SwiGLU 384, 8 x 40 tokens):
+    embedding, RMSNorm, RoPE, causal SDPA, output log-softmax, cross-entropy, backward and two
+    AdamW steps -- the GEMM, attention, reduction and vector-math kernels the golden runs lean
+    on, in plain torch ops, on one thread (the runs' OMP_NUM_THREADS). Two machines with the same
+    fingerprint round these the same way; where it differs, so do the golden rows."""
+    import hashlib
+
+    import torch
+    import torch.nn.functional as F
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        g = torch.Generator().manual_seed(0)
+        B, T, D, nh, kvh, hd, ff, V = 8, 40, 128, 4, 2, 32, 384, 96
+
+        def param(*shape):
+            return (torch.randn(*shape, generator=g) * 0.1).requires_grad_()
+
+        emb, wq, wkv, wo = param(V, D), param(nh * hd, D), param(2 * kvh * hd, D), param(D, nh * hd)
+        w_up, w_down, norm_w = param(2 * ff, D), param(D, ff), param(D)
+        params = [emb, wq, wkv, wo, w_up, w_down, norm_w]
+        ids = torch.randint(0, V, (B, T), generator=g)
+        angle = torch.outer(torch.arange(T).float(), 1e4 ** (-torch.arange(0, hd, 2) / hd))
+        cos, sin = torch.cat([angle.cos()] * 2, -1), torch.cat([angle.sin()] * 2, -1)
+
+        def rope(t):
+            return t * cos + torch.cat([-t[..., hd // 2:], t[..., :hd // 2]], -1) * sin
+
+        def norm(t):
+            return t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + 1e-6) * (1 + norm_w)
+
+        opt = torch.optim.AdamW(params, lr=1e-3)
+        bits = []
+        for _ in range(2):
+            x = emb[ids]
+            h = norm(x)
+            q = F.linear(h, wq).view(B, T, nh, hd).transpose(1, 2)
+            k, v = (t.transpose(1, 2).repeat_interleave(nh // kvh, 1)
+                    for t in F.linear(h, wkv).view(B, T, 2, kvh, hd).unbind(2))
+            a = F.scaled_dot_product_attention(rope(q), rope(k), v, is_causal=True)
+            x = x + F.linear(a.transpose(1, 2).reshape(B, T, nh * hd), wo)
+            up, gate = F.linear(norm(x), w_up).chunk(2, -1)
+            x = x + F.linear(F.silu(gate) * up, w_down)
+            logits = F.linear(norm(x), emb)
+            loss = F.cross_entropy(logits.view(-1, V), ids.roll(-1, 1).view(-1))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            bits += [torch.log_softmax(logits, -1), loss.view(1), *(p.grad for p in params),
+                     *params]
+        digest = hashlib.sha256()
+        for t in bits:
+            digest.update(t.detach().contiguous().numpy().tobytes())
+        return digest.hexdigest()[:16]
+    finally:
+        torch.set_num_threads(threads)
+
+
+def this_machine() -> dict:
+    """What identifies a machine's arithmetic in a golden file's `_machine` (module docstring)."""
+    import platform
+
     import torch
 
-    capability = torch.backends.cpu.get_cpu_capability()
-    if capability not in GOLDEN:
-        pytest.skip(f"golden rows exist for torch CPU capabilities {sorted(GOLDEN)}; this machine "
-                    f"runs {capability}, whose rounding they do not pin (see the module docstring)")
+    vendor = platform.processor() or platform.machine()
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            vendor = next((line.split(":", 1)[1].strip() for line in f
+                           if line.startswith("vendor_id")), vendor)
+    return {"capability": torch.backends.cpu.get_cpu_capability(), "vendor": vendor,
+            "fingerprint": arithmetic_fingerprint()}
+
+
+def golden_file(machine: dict) -> str | None:
+    """The golden file written on a machine of `machine`'s arithmetic: the same fingerprint, or
+    for a file written before fingerprints were recorded, the same capability and vendor."""
+    for name in sorted(os.listdir(_DIR)):
+        path = os.path.join(_DIR, name)
+        with open(path) as f:
+            wrote = json.load(f)["_machine"]
+        if wrote.get("fingerprint"):
+            if wrote["fingerprint"] == machine["fingerprint"]:
+                return path
+        elif (wrote["capability"], wrote["vendor"]) == (machine["capability"], machine["vendor"]):
+            return path
+    return None
+
+
+def test_fingerprint_is_stable_and_sees_the_kernels_vector_width():
+    """The same bits twice in one process; torch's CPU kernels forced to their scalar
+    (`default`) build in a child process change them."""
+    mine = arithmetic_fingerprint()
+    assert arithmetic_fingerprint() == mine
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); "
+            "from test_golden_metrics import arithmetic_fingerprint as f; print(f())")
+    env = dict(os.environ, ATEN_CPU_CAPABILITY="default")
+    scalar = subprocess.run([sys.executable, "-c", code, os.path.dirname(__file__)], env=env,
+                            capture_output=True, text=True, timeout=300, check=True)
+    assert scalar.stdout.split()[-1] != mine
+
+
+@pytest.mark.slow
+def test_short_quickstart_reproduces_golden_rows(tmp_path):
+    machine = this_machine()
+    path = golden_file(machine)
+    if path is None and not os.environ.get("MEGATRON_RL_WRITE_GOLDEN"):
+        pytest.skip(f"no golden rows were written on a machine of this one's arithmetic {machine} "
+                    f"(files under {_DIR}; see the module docstring)")
     got = run_all(tmp_path)
     if os.environ.get("MEGATRON_RL_WRITE_GOLDEN"):
-        with open(GOLDEN[capability], "w") as f:
-            json.dump(got, f, indent=1, sort_keys=True)
-        pytest.skip(f"wrote {GOLDEN[capability]} (CPU capability {capability})")
-    with open(GOLDEN[capability]) as f:
+        path = path or os.path.join(
+            _DIR, f"quickstart_short_{machine['capability'].lower()}_{machine['fingerprint']}.json")
+        with open(path, "w") as f:
+            json.dump({"_machine": machine, **got}, f, indent=1, sort_keys=True)
+        pytest.skip(f"wrote {path} ({machine})")
+    with open(path) as f:
         want = json.load(f)
+    want.pop("_machine")
     assert sorted(got) == sorted(want)
     off = []  # every differing value, in run order (sft first: the others start from it)
     for name in ["sft", *sorted(n for n in want if n != "sft")]:
