@@ -90,6 +90,7 @@ setup(
         "test": [
             "pytest",
             "pytest-timeout",
+            "pytest-xdist>=3.5",  # tools/test.sh: two workers, whole modules each
             "hypothesis",
             "ruff",
             "gguf",

@@ -55,6 +55,7 @@ def reference(tmp_path_factory):
     return hf, rows
 
 
+@pytest.mark.slow  # 8 two-rank / single-rank runs: ~3 CPU-minutes on the 2-core CI machine
 @pytest.mark.parametrize("replay", [False, True], ids=["fresh", "replay"])
 @pytest.mark.parametrize("layout", ["pp", "ep", "tp"])
 def test_rl_step_at_two_rank_layout_matches_single_rank(reference, tmp_path, layout, replay):

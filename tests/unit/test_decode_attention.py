@@ -92,6 +92,7 @@ def interpreted() -> dict[str, list[dict]]:
     return out
 
 
+@pytest.mark.slow  # the first user of `interpreted`: ~4 CPU-minutes on the 2-core CI machine
 def test_kernel_matches_reference_under_the_interpreter(interpreted):
     for c, r in zip(CASES["kernel"], interpreted["kernel"], strict=True):
         tol = 1e-5 if c["dtype"] == "float32" else 2e-3 * r["scale"]
