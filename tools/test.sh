@@ -42,12 +42,14 @@ echo "[test] ruff"
 ruff check megatron_rl tests tools examples
 echo "[test] pytest"
 # Two pytest workers (pytest-xdist), each taking whole modules (module fixtures run once), the
-# modules with slow tests first (tests/conftest.py); one torch thread each, so the two fill the
+# modules with slow tests first (tests/conftest.py; xdist would otherwise order modules by
+# their number of tests); one torch thread each, so the two fill the
 # two cores (tests that start processes set their threads themselves). More cores: `-n 4`.
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 RC=0
-python -m pytest tests -m "not gpu" -q -ra --durations=25 -n 2 --dist loadfile "$@" || RC=$?
+python -m pytest tests -m "not gpu" -q -ra --durations=25 -n 2 --dist loadfile \
+  --no-loadscope-reorder "$@" || RC=$?
 wait  # the background setup steps (finished long before their tests, as a rule)
 for name in vllm chromium; do
   echo "[test] background setup $name: exit $(cat "$MEGATRON_RL_SETUP_STATUS/$name.rc")"
