@@ -42,10 +42,13 @@ echo "[test] ruff"
 ruff check megatron_rl tests tools examples
 echo "[test] pytest"
 # Two pytest workers (pytest-xdist), each taking whole modules (module fixtures run once), the
-# modules with slow tests first (tests/conftest.py; xdist would otherwise order modules by
-# their number of tests); one torch thread each, so the two fill the
-# two cores (tests that start processes set their threads themselves). More cores: `-n 4`.
-export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+# modules with slow tests first (tests/conftest.py; xdist would otherwise order modules by their
+# number of tests); one torch thread each (tests that start processes set their threads
+# themselves). More cores: `-n 4`. OpenMP threads wait passively (sleep instead of spinning):
+# with two workers and their child processes the cores are oversubscribed, and spinning threads
+# of one process burned the CPU another needed (the quickstart test alone: 206 s of CPU spinning
+# vs 129 s passive, for 130 s vs 118 s of wall). The wait policy changes no number.
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 RC=0
 python -m pytest tests -m "not gpu" -q -ra --durations=25 -n 2 --dist loadfile \
