@@ -11,14 +11,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
-def pytest_collection_modifyitems(config, items):
-    """Modules holding a `slow` test run first, the rest after, each module's tests in their
-    order: tools/test.sh hands whole modules to two xdist workers (--dist loadfile), and the long
-    ones started first keep a worker from running one alone at the end."""
-    slow = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.nodeid.split("::")[0] not in slow)  # stable
-
-
 @pytest.fixture(scope="session")
 def single_rank():
     """A world-size-1 ParallelState (gloo on CPU) for tests that build Megatron models in the

@@ -41,18 +41,19 @@ echo "[test] setup of .venv done in ${SECONDS} s (vllm and chromium go on beside
 echo "[test] ruff"
 ruff check megatron_rl tests tools examples
 echo "[test] pytest"
-# Two pytest workers (pytest-xdist), each taking whole modules (module fixtures run once), the
-# modules with slow tests first (tests/conftest.py; xdist would otherwise order modules by their
-# number of tests); one torch thread each (tests that start processes set their threads
-# themselves). More cores: `-n 4`. OpenMP threads wait passively (sleep instead of spinning):
-# with two workers and their child processes the cores are oversubscribed, and spinning threads
-# of one process burned the CPU another needed (the quickstart test alone: 206 s of CPU spinning
-# vs 129 s passive, for 130 s vs 118 s of wall). The wait policy changes no number.
+# Two pytest workers (pytest-xdist), each taking whole modules (module fixtures run once; xdist
+# hands out the modules with most tests first), one torch thread each (tests that start
+# processes set their threads themselves). More cores: `-n 4`. OpenMP threads wait passively
+# (sleep instead of spinning): with two workers and their child processes the cores are
+# oversubscribed, and spinning threads of one process burned the CPU another needed (the
+# quickstart test alone: 206 s of CPU spinning vs 129 s passive, for 130 s vs 118 s of wall).
+# The wait policy changes no number. (Starting the modules with slow tests first was slower:
+# their multi-process runs then all overlapped.)
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 RC=0
-python -m pytest tests -m "not gpu" -q -ra --durations=25 -n 2 --dist loadfile \
-  --no-loadscope-reorder "$@" || RC=$?
+python -m pytest tests -m "not gpu" -q -ra --durations=25 -n 2 --dist loadfile "$@" \
+  || RC=$?
 wait  # the background setup steps (finished long before their tests, as a rule)
 for name in vllm chromium; do
   echo "[test] background setup $name: exit $(cat "$MEGATRON_RL_SETUP_STATUS/$name.rc")"
